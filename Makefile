@@ -1,0 +1,31 @@
+# One entry point. Everything runs from the repo's .venv, made by `make setup`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: setup test test-gpu demo lint bench images
+
+setup:
+	bash scripts/setup.sh
+
+test:
+	$(PY) -m pytest -m "not gpu" tests
+
+# Run on the GPU machine (see tests/gpu/README.md).
+test-gpu:
+	$(PY) -m pytest -m gpu tests
+
+demo:
+	$(VENV)/bin/vllm-hybrid demo
+
+lint:
+	$(VENV)/bin/ruff check runtime operator tests scripts
+	$(VENV)/bin/helm lint charts/hybrid-inference
+
+bench:
+	bash bench/run.sh
+
+images:
+	docker build -f images/operator/Dockerfile -t hybrid-inference/operator:dev .
+	docker build -f images/runtime-cpu/Dockerfile -t hybrid-inference/runtime-cpu:dev .
+	docker build -f images/runtime-gpu/Dockerfile -t hybrid-inference/runtime-gpu:dev .

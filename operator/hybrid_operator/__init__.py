@@ -1,0 +1,1 @@
+"""HybridInference Kubernetes operator."""

@@ -1,0 +1,1 @@
+"""HybridInference runtime: heterogeneous CUDA + CPU pipeline parallelism for vLLM."""

@@ -1,0 +1,5 @@
+"""vLLM general plugin entry point (filled in below)."""
+
+
+def register() -> None:
+    pass

