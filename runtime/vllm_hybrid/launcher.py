@@ -1,0 +1,139 @@
+"""Turns the pipeline plan + this pod's identity into the vLLM invocation for one stage (pure)."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cpubind import CpuBinding
+from .plan import Plan, PlanError
+from .planner import GiB, Split
+
+GPU_VLLM_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "0",  # the V2 runner's pipeline path does not go through our hop patches
+}
+
+
+@dataclass(frozen=True)
+class Identity:
+    stage: int
+    replica: int
+    master_addr: str
+    host_ip: str | None
+
+
+def identity_from_env(env: dict[str, str], stage: int | None = None, replica: int | None = None) -> Identity:
+    """Pod identity: explicit arguments win, then HYBRID_* variables (set by the operator)."""
+    def number(value, name):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise PlanError(f"{name}: expected a stage/replica index, got {value!r}") from None
+
+    if stage is None:
+        if "HYBRID_STAGE" not in env:
+            raise PlanError("stage: pass --stage N or set HYBRID_STAGE")
+        stage = number(env["HYBRID_STAGE"], "HYBRID_STAGE")
+    if replica is None:
+        replica = number(env.get("HYBRID_REPLICA", "0"), "HYBRID_REPLICA")
+    master = env.get("HYBRID_MASTER_ADDR", "127.0.0.1").replace("{replica}", str(replica))
+    return Identity(stage, replica, master, env.get("HYBRID_HOST_IP") or None)
+
+
+def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int) -> int:
+    """VLLM_CPU_KVCACHE_SPACE (whole GiB): the stage's budget after its weights, at least 1."""
+    sp = split.stages[stage]
+    return max(1, sp.kv_bytes // GiB)
+
+
+def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.executable) -> list[str]:
+    stage = plan.stages[ident.stage]
+    n = len(plan.stages)
+    argv = [python, "-m", "vllm_hybrid.vllm_entry", "serve", plan.model,
+            "--served-model-name", plan.served_model_name or Path(plan.model).name,
+            "--dtype", plan.dtype,
+            "--max-model-len", str(plan.max_model_len),
+            "--block-size", str(plan.block_size),
+            "--max-num-seqs", str(plan.max_num_seqs),
+            "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
+            "--load-format", plan.load_format,
+            "--tensor-parallel-size", str(stage.tensor_parallel),
+            "--pipeline-parallel-size", str(n),
+            "--distributed-executor-backend", "mp",
+            # sampled tokens would travel over the pipeline's device group under async scheduling
+            "--no-async-scheduling"]
+    if n > 1:
+        argv += ["--nnodes", str(n), "--node-rank", str(ident.stage),
+                 "--master-addr", ident.master_addr, "--master-port", str(plan.master_port)]
+    if plan.revision:
+        argv += ["--revision", plan.revision]
+    if not stage.is_cpu:
+        argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization)]
+    if ident.stage == 0:
+        argv += ["--host", "0.0.0.0", "--port", str(plan.api_port)]
+    else:
+        argv += ["--headless"]
+    return argv + list(plan.extra_args)
+
+
+def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | None,
+             base: dict[str, str]) -> dict[str, str]:
+    stage = plan.stages[ident.stage]
+    env = dict(base)
+    env.update(GPU_VLLM_ENV)
+    env.update({
+        "VLLM_HYBRID_PIPELINE": "1",
+        "VLLM_PP_LAYER_PARTITION": split.partition,
+        "HYBRID_STAGE": str(ident.stage),
+        "HYBRID_REPLICA": str(ident.replica),
+        "HYBRID_STAGE_NAME": stage.name,
+        "HYBRID_LAYER_RANGE": split.stages[ident.stage].layer_range,
+        "HYBRID_METRICS_PORT": str(plan.metrics_port),
+        "VLLM_NO_USAGE_STATS": "1",
+    })
+    if ident.host_ip:
+        env["VLLM_HOST_IP"] = ident.host_ip
+    if Path(plan.model).is_dir():
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    if stage.is_cpu:
+        assert binding is not None
+        env.update({
+            "CUDA_VISIBLE_DEVICES": "",  # a CPU stage must not pick up a GPU on a shared node
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib(plan, split, ident.stage)),
+            "VLLM_CPU_OMP_THREADS_BIND": binding.omp_bind,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the reserve is already left out of omp_bind
+        })
+    return env
+
+
+def numactl_prefix(binding: CpuBinding | None, numactl: str | None) -> list[str]:
+    """Bind memory to the stage's NUMA node where the host has several and numactl exists."""
+    if binding is None or binding.numa_node is None or not numactl:
+        return []
+    return [numactl, f"--membind={binding.numa_node}"]
+
+
+def resolved_summary(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | None,
+                     env: dict[str, str]) -> dict:
+    stage = plan.stages[ident.stage]
+    out = {"stage": ident.stage, "name": stage.name, "device": stage.device, "replica": ident.replica,
+           "stages": len(plan.stages), "layers": split.stages[ident.stage].layer_range,
+           "partition": split.partition, "tp": stage.tensor_parallel, "master": f"{ident.master_addr}:{plan.master_port}",
+           "role": "api" if ident.stage == 0 else "headless", "model": plan.model}
+    if binding:
+        out.update(cpus=binding.omp_bind, numa_node=binding.numa_node,
+                   kv_cache_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))
+    else:
+        out.update(gpu_memory_utilization=stage.gpu_memory_utilization,
+                   cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES", "all"))
+    return out
+
+
+def which(name: str) -> str | None:
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        p = Path(d) / name
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return None

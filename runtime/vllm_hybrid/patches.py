@@ -1,0 +1,126 @@
+"""Every change this project makes to vLLM 0.26.0, in one place.
+
+Each patch names the upstream function it replaces and why. They are applied by the plugin
+(vllm_hybrid.plugin) in every vLLM process of a hybrid pipeline, before any process group exists.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+log = logging.getLogger("vllm_hybrid.patches")
+APPLIED: list[str] = []
+
+
+def _is_pp(group) -> bool:
+    return group.unique_name.startswith("pp")
+
+
+def patch_cuda_dist_backend(platform) -> None:
+    # vllm.platforms.cuda.CudaPlatform.dist_backend ("nccl"): the world and pipeline groups span
+    # CUDA and CPU processes, so every process must create them with the CPU platform's gloo.
+    # Tensor-parallel traffic inside a CUDA stage still goes through PyNccl (CudaCommunicator).
+    if platform.is_cuda_alike():
+        type(platform).dist_backend = "gloo"
+        APPLIED.append("CudaPlatform.dist_backend=gloo")
+
+
+def patch_pp_group_without_device_communicator(parallel_state) -> None:
+    # vllm.distributed.parallel_state.init_model_parallel_group: the "pp" group must be built
+    # without a device communicator. Otherwise the CUDA side initialises NCCL while the CPU side
+    # waits in a gloo all-gather for its shared-memory communicator, and they never meet; between
+    # CPU pods without a shared /dev/shm the SHM communicator would not work either.
+    original = parallel_state.init_model_parallel_group
+
+    @functools.wraps(original)
+    def init_model_parallel_group(group_ranks, local_rank, backend, use_message_queue_broadcaster=False,
+                                  group_name=None, use_device_communicator=True):
+        if group_name == "pp":
+            use_device_communicator = False
+        return original(group_ranks, local_rank, backend, use_message_queue_broadcaster=use_message_queue_broadcaster,
+                        group_name=group_name, use_device_communicator=use_device_communicator)
+
+    parallel_state.init_model_parallel_group = init_model_parallel_group
+    APPLIED.append("init_model_parallel_group(pp: no device communicator)")
+
+
+def patch_pp_send_via_host(parallel_state) -> None:
+    # vllm.distributed.parallel_state.GroupCoordinator.isend_tensor_dict: upstream sends CUDA
+    # tensors over the (NCCL) device group and tells the receiver to allocate them on the sender's
+    # device. Across a CUDA->CPU hop we copy to host memory so the tensors travel over gloo and
+    # the receiver allocates them on CPU; and we skip the TP all-gather split (the receiving stage
+    # may run a different device communicator), so each TP rank sends its full tensors.
+    cls = parallel_state.GroupCoordinator
+    original = cls.isend_tensor_dict
+
+    @functools.wraps(original)
+    def isend_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None, all_gather_tensors=None):
+        if not _is_pp(self):
+            return original(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
+        host = {k: (v.to("cpu") if hasattr(v, "is_cpu") and not v.is_cpu else v) for k, v in tensor_dict.items()}
+        handles = original(self, host, dst, None, None)
+        # gloo send of host copies: wait here so the copies outlive the transfer.
+        for h in handles:
+            h.wait()
+        return []
+
+    cls.isend_tensor_dict = isend_tensor_dict
+    APPLIED.append("GroupCoordinator.isend_tensor_dict(pp: via host)")
+
+
+def patch_pp_recv_to_device(parallel_state) -> None:
+    # vllm.distributed.parallel_state.GroupCoordinator.irecv_tensor_dict: what arrives over the
+    # pipeline is always host memory now (see isend above); a CUDA stage moves it onto its GPU
+    # once the receive completes (CPU->GPU hop). No TP all-gather, matching the sender.
+    cls = parallel_state.GroupCoordinator
+    original = cls.irecv_tensor_dict
+
+    @functools.wraps(original)
+    def irecv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
+        if not _is_pp(self):
+            return original(self, src, all_gather_group, all_gather_tensors)
+        tensor_dict, handles, postprocess = original(self, src, None, None)
+        if tensor_dict is not None and self.device.type != "cpu":
+            def to_device(d=tensor_dict, device=self.device):
+                for k, v in d.items():
+                    if hasattr(v, "is_cpu") and v.is_cpu:
+                        d[k] = v.to(device)
+            postprocess = [*postprocess, to_device]
+        return tensor_dict, handles, postprocess
+
+    cls.irecv_tensor_dict = irecv_tensor_dict
+    APPLIED.append("GroupCoordinator.irecv_tensor_dict(pp: host -> device)")
+
+
+def patch_cpu_kv_memory_check() -> None:
+    # vllm.v1.worker.cpu_worker.get_memory_node_info (from vllm.utils.cpu_resource_utils): the
+    # KV-cache request is checked against the NUMA node's free memory. Some VMs report a synthetic,
+    # tiny node figure while the system has plenty; opt-in (VLLM_HYBRID_SYSTEM_MEMORY_CHECK=1)
+    # to check against system-wide available memory instead.
+    import psutil
+    from vllm.utils import cpu_resource_utils
+    from vllm.v1.worker import cpu_worker
+
+    def get_memory_node_info(node_id: int = 0):
+        vm = psutil.virtual_memory()
+        return cpu_resource_utils.MemoryNodeInfo(total_memory=vm.total, available_memory=vm.available)
+
+    cpu_worker.get_memory_node_info = get_memory_node_info
+    APPLIED.append("cpu_worker.get_memory_node_info(system-wide)")
+
+
+def apply_all() -> list[str]:
+    if APPLIED:
+        return APPLIED  # plugins may be loaded several times in one process
+    from vllm.distributed import parallel_state
+    from vllm.platforms import current_platform
+
+    patch_cuda_dist_backend(current_platform)
+    patch_pp_group_without_device_communicator(parallel_state)
+    patch_pp_send_via_host(parallel_state)
+    patch_pp_recv_to_device(parallel_state)
+    if current_platform.is_cpu() and os.environ.get("VLLM_HYBRID_SYSTEM_MEMORY_CHECK") == "1":
+        patch_cpu_kv_memory_check()
+    log.info("vllm_hybrid patches applied: %s", ", ".join(APPLIED))
+    return APPLIED

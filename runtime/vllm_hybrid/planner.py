@@ -1,0 +1,212 @@
+"""Layer-split planner: how many decoder layers each stage holds so weights + KV cache fit.
+
+Deterministic (a pure function of the plan and the model's config.json), so every pod of a
+pipeline computes the same split without talking to the others.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import Plan, PlanError, Stage
+
+GiB = 1 << 30
+# Decoder-only architectures whose layers vLLM can split by VLLM_PP_LAYER_PARTITION and whose
+# parameter count follows the Llama layout (gated MLP, GQA attention) used below.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3_5ForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM",
+}
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# Memory a stage needs beyond weights and KV: CUDA context/graphs/activations on GPU stages,
+# the Python/torch runtime and compile caches on CPU stages.
+GPU_RUNTIME_RESERVE = 2 * GiB
+CPU_RUNTIME_RESERVE = 3 * GiB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    dtype: str
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_bytes(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate
+        return (attn + mlp + 2 * self.hidden) * self.dtype_bytes
+
+    @property
+    def embedding_bytes(self) -> int:
+        return self.vocab * self.hidden * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def read_model_config(model: str) -> dict:
+    path = Path(model)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        raise PlanError(f"model: no config.json at {config} (missing model files? the model must be a "
+                        "local directory mounted into the pod)")
+    try:
+        return json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"model: {config} is not valid JSON: {e}") from e
+
+
+def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise PlanError(f"model: unsupported architecture {archs or 'unknown'}; "
+                        f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    text = config.get("text_config", config)
+    if dtype == "auto":
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").replace("torch.", "")
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype: cannot size weights of dtype {dtype!r}")
+    try:
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        return ModelShape(
+            architecture=arch, num_layers=int(text["num_hidden_layers"]), hidden=hidden,
+            intermediate=int(text["intermediate_size"]), heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype)
+    except KeyError as e:
+        raise PlanError(f"model: config.json lacks {e.args[0]}") from e
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: Stage
+    index: int
+    first_layer: int
+    layers: int
+    weight_bytes: int
+    budget_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+
+    @property
+    def layer_range(self) -> str:
+        return f"{self.first_layer}-{self.first_layer + self.layers - 1}"
+
+
+@dataclass(frozen=True)
+class Split:
+    shape: ModelShape
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def partition(self) -> str:
+        """The value of VLLM_PP_LAYER_PARTITION."""
+        return ",".join(str(s.layers) for s in self.stages)
+
+    def describe(self) -> str:
+        shape, rows = self.shape, []
+        rows.append(f"model: {shape.architecture}, {shape.num_layers} layers, {shape.dtype}, "
+                    f"{shape.layer_bytes / GiB:.3f} GiB/layer, embedding {shape.embedding_bytes / GiB:.3f} GiB, "
+                    f"KV {shape.kv_bytes_per_token_per_layer} B/token/layer")
+        for sp in self.stages:
+            rows.append(f"stage {sp.index} {sp.stage.name} ({sp.stage.device}, tp={sp.stage.tensor_parallel}): "
+                        f"layers {sp.layer_range} ({sp.layers}); weights {sp.weight_bytes / GiB:.2f} GiB + "
+                        f"KV {sp.kv_bytes / GiB:.2f} GiB ({sp.kv_tokens} tokens) of budget {sp.budget_bytes / GiB:.2f} GiB")
+        rows.append(f"VLLM_PP_LAYER_PARTITION={self.partition}")
+        return "\n".join(rows)
+
+
+def stage_budget(stage: Stage, gpu_memory_bytes: int | None) -> int:
+    """Bytes a stage may use for weights + KV cache (all its tensor-parallel ranks together)."""
+    if stage.is_cpu:
+        return stage.memory_bytes - CPU_RUNTIME_RESERVE
+    gpu_memory_bytes = stage.memory_bytes or gpu_memory_bytes
+    if gpu_memory_bytes is None:
+        raise PlanError(f"stage {stage.name}: the planner needs the memory of one GPU (the stage's "
+                        "memory, or --gpu-memory) or explicit layers on every stage")
+    per_rank = int(gpu_memory_bytes * stage.gpu_memory_utilization) - GPU_RUNTIME_RESERVE
+    return per_rank * stage.tensor_parallel
+
+
+def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
+    """Embedding on the first stage; final norm + LM head on the last (a copy, even if tied)."""
+    fixed = shape.embedding_bytes if index == 0 else 0
+    if index == n - 1:
+        fixed += shape.embedding_bytes + shape.hidden * shape.dtype_bytes
+    return fixed
+
+
+def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = None) -> Split:
+    n, total = len(plan.stages), shape.num_layers
+    # Every stage must hold KV for at least one full-length sequence.
+    min_kv_per_layer = shape.kv_bytes_per_token_per_layer * plan.max_model_len
+    per_layer = shape.layer_bytes + min_kv_per_layer
+    if plan.layers_explicit:
+        counts = [s.layers for s in plan.stages]
+        if sum(counts) != total:
+            raise PlanError(f"stages[*].layers: sum to {sum(counts)}, but the model has {total} layers")
+        budgets = [stage_budget(s, gpu_memory_bytes) if (s.is_cpu or s.memory_bytes or gpu_memory_bytes)
+                   else None for s in plan.stages]
+    else:
+        if total < n:
+            raise PlanError(f"stages: {n} stages but the model has only {total} layers")
+        budgets = [stage_budget(s, gpu_memory_bytes) for s in plan.stages]
+        capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // per_layer) for i, b in enumerate(budgets)]
+        counts = _assign(plan.stages, capacity, total)
+    stages = []
+    first = 0
+    for i, (s, count, budget) in enumerate(zip(plan.stages, counts, budgets)):
+        weights = count * shape.layer_bytes + _fixed_bytes(shape, i, n)
+        kv = 0 if budget is None else budget - weights
+        need = weights + count * min_kv_per_layer
+        if budget is not None and need > budget:
+            raise PlanError(
+                f"stages[{i}] ({s.name}): does not fit: {count} layers need {need / GiB:.2f} GiB "
+                f"(weights {weights / GiB:.2f} GiB + KV for one {plan.max_model_len}-token sequence "
+                f"{count * min_kv_per_layer / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB")
+        kv = max(0, kv)
+        stages.append(StagePlan(s, i, first, count, weights, budget or 0, kv,
+                                kv // (count * shape.kv_bytes_per_token_per_layer)))
+        first += count
+    return Split(shape, tuple(stages))
+
+
+def _assign(stages: tuple[Stage, ...], capacity: list[int], total: int) -> list[int]:
+    """GPU stages first, as many layers as fit; CPU stages share the rest by their CPU count."""
+    n = len(stages)
+    if sum(capacity) < total or min(capacity) < 1:
+        short = [f"{s.name} fits {c}" for s, c in zip(stages, capacity)]
+        raise PlanError(f"stages: the model does not fit: {total} layers, capacity {sum(capacity)} "
+                        f"({', '.join(short)}); add memory or stages")
+    counts = [1] * n  # vLLM needs at least one layer on every pipeline stage
+    left = total - n
+    gpus = [i for i, s in enumerate(stages) if not s.is_cpu]
+    cpus = [i for i, s in enumerate(stages) if s.is_cpu]
+    for i in gpus if cpus else []:
+        take = min(left, capacity[i] - counts[i])
+        counts[i] += take
+        left -= take
+    pool = cpus or gpus
+    weights = [stages[i].cpus if stages[i].is_cpu else capacity[i] for i in pool]
+    while left > 0:  # hand out one layer at a time: deterministic, proportional, capacity-bounded
+        open_ = [(counts[i] / w, k, i) for k, (i, w) in enumerate(zip(pool, weights)) if counts[i] < capacity[i]]
+        _, _, i = min(open_)
+        counts[i] += 1
+        left -= 1
+    return counts

@@ -1,0 +1,191 @@
+"""Runs one stage's vLLM process group and ties its life to the other stages.
+
+vLLM alone does not: a headless stage keeps running when stage 0 stops, and a stage 0 whose peer
+crashed can hang and ignore SIGTERM. So every launcher keeps a heartbeat connection to stage 0's
+launcher (on the plan's supervisor port); whoever loses the other ends its vLLM process group and
+exits non-zero, so Kubernetes (or the operator's group restart) re-forms the whole pipeline.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+log = logging.getLogger("vllm_hybrid.supervise")
+HEARTBEAT_S = 1.0
+PEER_TIMEOUT_S = 10.0        # silence after which a connected peer counts as lost
+TERM_GRACE_S = 15.0          # SIGTERM -> SIGKILL for the vLLM process group
+EXIT_PEER_LOST = 75
+
+
+class Heartbeat:
+    """Stage 0: accepts one connection per peer stage and watches them. Peers: keep one open."""
+
+    def __init__(self, stage: int, stages: int, master_addr: str, port: int):
+        self.stage, self.stages, self.master_addr, self.port = stage, stages, master_addr, port
+        self.lost: str | None = None
+        self.connected: set[int] = set()
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        target = self._serve if self.stage == 0 else self._client
+        threading.Thread(target=target, name="hybrid-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _serve(self) -> None:
+        srv = socket.create_server(("", self.port), reuse_port=False)
+        srv.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(srv, selectors.EVENT_READ, None)
+        last_seen: dict[socket.socket, float] = {}
+        peer_of: dict[socket.socket, int] = {}
+        buf: dict[socket.socket, bytes] = {}
+        next_beat = 0.0
+        while not self._stop.is_set() and self.lost is None:
+            for key, _ in sel.select(timeout=0.2):
+                if key.data is None:
+                    conn, _ = srv.accept()
+                    conn.setblocking(False)
+                    sel.register(conn, selectors.EVENT_READ, "peer")
+                    last_seen[conn], buf[conn] = time.monotonic(), b""
+                    continue
+                conn = key.fileobj
+                try:
+                    data = conn.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._drop(sel, conn, last_seen, buf)
+                    if conn in peer_of:
+                        self.lost = f"stage {peer_of[conn]} closed its heartbeat"
+                    continue
+                last_seen[conn] = time.monotonic()
+                buf[conn] += data
+                if conn not in peer_of and b"\n" in buf[conn]:
+                    line = buf[conn].split(b"\n", 1)[0].decode(errors="replace")
+                    if line.startswith("stage "):
+                        peer_of[conn] = int(line.split()[1])
+                        self.connected.add(peer_of[conn])
+                        log.info("heartbeat: stage %s connected", peer_of[conn])
+            now = time.monotonic()
+            for conn, seen in list(last_seen.items()):
+                if conn in peer_of and now - seen > PEER_TIMEOUT_S:
+                    self.lost = f"stage {peer_of[conn]} silent for {now - seen:.0f}s"
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                for conn in list(last_seen):
+                    try:
+                        conn.send(b".")
+                    except OSError:
+                        pass
+        srv.close()
+
+    @staticmethod
+    def _drop(sel, conn, last_seen, buf) -> None:
+        sel.unregister(conn)
+        last_seen.pop(conn, None)
+        buf.pop(conn, None)
+        conn.close()
+
+    def _client(self) -> None:
+        sock = None
+        while not self._stop.is_set() and sock is None:  # stage 0 may start later than us
+            try:
+                sock = socket.create_connection((self.master_addr, self.port), timeout=2)
+            except OSError:
+                time.sleep(1)
+        if sock is None:
+            return
+        sock.settimeout(HEARTBEAT_S)
+        sock.sendall(f"stage {self.stage}\n".encode())
+        self.connected.add(0)
+        last_seen, next_beat = time.monotonic(), 0.0
+        while not self._stop.is_set():
+            try:
+                data = sock.recv(4096)
+                if not data:
+                    self.lost = "stage 0 closed its heartbeat"
+                    break
+                last_seen = time.monotonic()
+            except socket.timeout:
+                pass
+            except OSError as e:
+                self.lost = f"stage 0 heartbeat failed: {e}"
+                break
+            now = time.monotonic()
+            if now - last_seen > PEER_TIMEOUT_S:
+                self.lost = f"stage 0 silent for {now - last_seen:.0f}s"
+                break
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                try:
+                    sock.sendall(b".")
+                except OSError as e:
+                    self.lost = f"stage 0 heartbeat failed: {e}"
+                    break
+        sock.close()
+
+
+def terminate_group(proc: subprocess.Popen, grace: float = TERM_GRACE_S) -> None:
+    """SIGTERM the whole vLLM process group, SIGKILL what is left after `grace` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(proc.pid):
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None) -> int:
+    """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST."""
+    stopping = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    if heartbeat:
+        heartbeat.start()
+    try:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                log.error("vLLM exited with code %s", code) if code else log.info("vLLM exited")
+                terminate_group(proc, grace=5)  # workers it left behind
+                return code if code else (1 if heartbeat and heartbeat.lost else 0)
+            if stopping.is_set():
+                log.info("termination requested: stopping vLLM")
+                terminate_group(proc)
+                return 0
+            if heartbeat and heartbeat.lost:
+                log.error("peer lost (%s): stopping this stage so the pipeline restarts", heartbeat.lost)
+                terminate_group(proc, grace=5)
+                return EXIT_PEER_LOST
+            stopping.wait(0.2)
+    finally:
+        if heartbeat:
+            heartbeat.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,69 @@
+"""A small random Llama with an offline-trained tokenizer (no model hub needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_WORDS = ("the pipeline stage layer cache token model memory thread core node pod gpu cpu fast slow "
+          "request answer question hello world serve batch prompt sequence kernel tensor graph split "
+          "one two three four five six seven eight nine ten red green blue small large first last").split()
+
+
+def _corpus(n: int = 2000) -> list[str]:
+    """Deterministic pseudo-text: enough variety for a BPE of a few hundred tokens."""
+    out, x = [], 12345
+    for _ in range(n):
+        words = []
+        for _ in range(12):
+            x = (1103515245 * x + 12345) % (1 << 31)
+            words.append(_WORDS[x % len(_WORDS)])
+        out.append(" ".join(words).capitalize() + ".")
+    return out
+
+
+def train_tokenizer(out: Path, vocab_size: int = 512) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return tok.get_vocab_size()
+
+
+def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int = 256, dtype: str = "float32", seed: int = 0,
+                    max_positions: int = 2048) -> Path:
+    """Writes config.json, safetensors weights and the tokenizer to `out` (idempotent)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    marker = out / "hybrid-tiny.json"
+    spec = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                dtype=dtype, seed=seed, max_positions=max_positions)
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(out)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=hidden // heads, max_position_embeddings=max_positions,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         # wider init than 0.02: peaked logits, so greedy decoding has no near-ties
+                         initializer_range=0.1, torch_dtype=dtype)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(spec))
+    return out
