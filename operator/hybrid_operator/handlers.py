@@ -1,0 +1,95 @@
+"""Thin kopf wiring. All logic lives in reconcile.py (side effects) and render/ (pure).
+
+Run: kopf run --standalone --all-namespaces -m hybrid_operator.handlers
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from . import metrics
+from .kube import KubeApi
+from .reconcile import handle_pod_event, reconcile
+from .settings import GROUP, MANAGER, PLURAL, VERSION, Settings
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+CONFIG = Settings.from_env()
+
+
+def plain(obj: Any) -> Any:
+    """kopf bodies are read-only mapping views; the builders want plain dicts."""
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    # Keep kopf's bookkeeping in annotations: our status schema has no room for it.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.scanning.disabled = True  # no CRD/namespace watching: fewer RBAC rights
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 4
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure(settings)
+    if "api" not in memo:  # tests inject a client pointed at kmock
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+        if info is None:
+            raise kopf.PermanentError("no service account and no kubeconfig found")
+        memo.api = KubeApi.from_connection_info(info)
+    memo.setdefault("config", CONFIG)
+    port = int(os.environ.get("HYBRID_METRICS_PORT", "0"))
+    if port:
+        metrics.serve(port)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.api.close()
+
+
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+@kopf.on.resume(*RESOURCE)
+async def reconcile_instance(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    # Returning nothing: kopf would store a return value in .status, which our schema prunes.
+    try:
+        result = await reconcile(memo.api, plain(body), memo.config)
+        logger.info("reconciled: phase %s, children %s", result["phase"], result["children"])
+    except Exception:
+        metrics.ERRORS.labels(handler="reconcile").inc()
+        raise
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.status_interval_s, initial_delay=CONFIG.status_interval_s)
+async def resync_instance(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Recreates deleted or drifted children and refreshes status from the pods."""
+    try:
+        await reconcile(memo.api, plain(body), memo.config)
+    except Exception:
+        metrics.ERRORS.labels(handler="resync").inc()
+        raise
+
+
+@kopf.on.delete(*RESOURCE, optional=True)  # optional: no finalizer; owner references clean up
+async def forget_instance(name: str, namespace: str, **_: Any) -> None:
+    metrics.set_phase(namespace, name, None)
+
+
+@kopf.on.event("v1", "pods", labels={"app.kubernetes.io/managed-by": MANAGER})
+async def pod_changed(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        await handle_pod_event(memo.api, event.get("type"), plain(event["object"]))
+    except Exception:
+        metrics.ERRORS.labels(handler="group-restart").inc()
+        raise

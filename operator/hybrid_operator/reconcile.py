@@ -1,0 +1,112 @@
+"""The side effects: apply rendered children, prune removed stages, write status, group restarts."""
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+from . import group_restart, metrics, names
+from .apply import apply
+from .defaults import with_defaults
+from .events import build_event
+from .kube import KubeApi, path_for
+from .render import render_children
+from .settings import API_VERSION, Settings
+from .status import compute_status
+
+log = logging.getLogger(__name__)
+
+
+def utcnow() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def record_event(api: KubeApi, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    event = build_event(body, type_, reason, message, utcnow())
+    try:
+        await api.create(path_for("v1", "Event", body["metadata"]["namespace"]), event)
+    except Exception as exc:  # an Event is best effort; never fail a reconcile on it
+        log.warning("could not record event %s: %s", reason, exc)
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences", []))
+
+
+async def apply_children(api: KubeApi, body: dict[str, Any], settings: Settings) -> dict[str, str]:
+    """Create/patch every child; delete StatefulSets of stages no longer in the spec."""
+    meta = body["metadata"]
+    results: dict[str, str] = {}
+    children = render_children(body, settings)
+    for child in children:
+        action = await apply(api, child)
+        results[f"{child['kind']}/{child['metadata']['name']}"] = action
+        if action != "unchanged":
+            metrics.CHILD_WRITES.labels(kind=child["kind"], action=action).inc()
+    wanted = {c["metadata"]["name"] for c in children if c["kind"] == "StatefulSet"}
+    existing = await api.list(path_for("apps/v1", "StatefulSet", meta["namespace"]),
+                              names.instance_selector(meta["name"]))
+    for sts in existing:
+        if sts["metadata"]["name"] not in wanted and _owned_by(sts, meta["uid"]):
+            await api.delete(path_for("apps/v1", "StatefulSet", meta["namespace"], sts["metadata"]["name"]))
+            results[f"StatefulSet/{sts['metadata']['name']}"] = "deleted"
+    return results
+
+
+async def refresh_status(api: KubeApi, body: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    meta = body["metadata"]
+    selector = names.instance_selector(meta["name"])
+    statefulsets = await api.list(path_for("apps/v1", "StatefulSet", meta["namespace"]), selector)
+    pods = await api.list(path_for("v1", "Pod", meta["namespace"]), selector)
+    status = compute_status(body, statefulsets, pods, utcnow(), settings)
+    old = body.get("status") or {}
+    if old.get("phase") != status["phase"]:
+        kind = "Warning" if status["phase"] == "Degraded" else "Normal"
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        detail = f": {degraded['reason']}: {degraded['message']}" if status["phase"] == "Degraded" else ""
+        await record_event(api, body, kind, status["phase"], f"phase {old.get('phase', '-')} -> {status['phase']}{detail}")
+    if {k: v for k, v in old.items()} != status:
+        await api.patch(path_for(API_VERSION, "HybridInference", meta["namespace"], meta["name"], "status"),
+                        {"status": status})
+    metrics.set_phase(meta["namespace"], meta["name"], status["phase"])
+    return status
+
+
+async def reconcile(api: KubeApi, body: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """One full pass; idempotent, so create/update/resume/timer all call this."""
+    try:
+        results = await apply_children(api, body, settings)
+        changed = {k: v for k, v in results.items() if v != "unchanged"}
+        if changed:
+            summary = ", ".join(f"{k} {v}" for k, v in sorted(changed.items()))
+            await record_event(api, body, "Normal", "Applied", summary)
+        status = await refresh_status(api, body, settings)
+    except Exception:
+        metrics.RECONCILES.labels(result="error").inc()
+        raise
+    metrics.RECONCILES.labels(result="ok").inc()
+    return {"children": results, "phase": status["phase"]}
+
+
+async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, Any]) -> list[str]:
+    """Group restart: delete every pod of the failed pod's pipeline replica. Returns deleted names."""
+    meta = pod["metadata"]
+    instance = (meta.get("labels") or {}).get(names.INSTANCE_LABEL)
+    if not instance:
+        return []
+    ns = meta["namespace"]
+    if event_type != "DELETED" and group_restart.restart_reason(pod) is None:
+        return []  # the common case: a status update of a healthy pod; no API calls
+    body = await api.get(path_for(API_VERSION, "HybridInference", ns, instance))
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return []  # instance is going away; garbage collection removes the pods
+    spec = with_defaults(body["spec"])
+    pods = await api.list(path_for("v1", "Pod", ns), names.instance_selector(instance))
+    doomed, reason = group_restart.victims(event_type, pod, pods, spec["replicas"], len(spec["stages"]))
+    deleted = [name for name in doomed if await api.delete(path_for("v1", "Pod", ns, name))]
+    if deleted:
+        metrics.GROUP_RESTARTS.inc()
+        index = (meta.get("labels") or {}).get(names.POD_INDEX_LABEL, "?")
+        await record_event(api, body, "Warning", "GroupRestart",
+                           f"replica {index}: {reason}; deleted {', '.join(deleted)} so the pipeline re-forms")
+    return deleted

@@ -1,0 +1,61 @@
+"""plan.yaml follows docs/plan-format.md exactly (snake_case keys, values from the spec)."""
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from hybrid_operator.plan import layer_ranges, render_plan, stages_summary
+
+from hi_fixtures import ROOT, make_body, stages
+
+
+def documented_keys():
+    """Top-level and stage keys from the YAML example in docs/plan-format.md."""
+    doc = (ROOT / "docs" / "plan-format.md").read_text()
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", doc, re.S).group(1))
+    stage_keys = set().union(*(s.keys() for s in example["stages"]))
+    return set(example), stage_keys
+
+
+def test_plan_uses_only_documented_keys():
+    top, stage_keys = documented_keys()
+    plan = render_plan(make_body(stages=stages(3, layers=True))["spec"])
+    assert set(plan) - {"strategy"} == top  # strategy: optional, added with the CRD field
+    for stage in plan["stages"]:
+        assert set(stage) <= stage_keys
+
+
+def test_plan_values():
+    spec = make_body(
+        model={"path": "llama-3.1-8b", "volume": {"claimName": "m"}, "servedModelName": "llama",
+               "dtype": "float16", "maxModelLen": 8192},
+        serving={"port": 8080, "maxNumSeqs": 32, "maxNumBatchedTokens": 16384, "blockSize": 64,
+                 "extraArgs": ["--enforce-eager"]},
+        monitoring={"port": 9200}, strategy="balanced", stages=stages(2, layers=True))["spec"]
+    plan = render_plan(spec)
+    assert plan == {
+        "model": "/models/llama-3.1-8b", "revision": None, "served_model_name": "llama", "dtype": "float16",
+        "max_model_len": 8192, "block_size": 64, "max_num_seqs": 32, "max_num_batched_tokens": 16384,
+        "api_port": 8080, "master_port": 29500, "metrics_port": 9200, "load_format": "auto",
+        "strategy": "balanced", "extra_args": ["--enforce-eager"],
+        "stages": [
+            {"name": "gpu", "device": "gpu", "tensor_parallel": 1, "layers": 8, "gpu_memory_utilization": 0.9},
+            {"name": "cpu", "device": "cpu", "tensor_parallel": 1, "layers": 8, "cpus": 16, "memory": "64Gi"},
+        ],
+    }
+
+
+def test_defaults_and_served_name_from_path():
+    plan = render_plan(make_body()["spec"])
+    assert plan["served_model_name"] == "llama-3.1-8b"
+    assert plan["max_num_batched_tokens"] == 4096 and plan["block_size"] == 128
+    assert plan["strategy"] == "pipeline"
+    assert "layers" not in plan["stages"][0]
+
+
+def test_layer_ranges():
+    assert layer_ranges(make_body(stages=stages(3, layers=True))["spec"]) == ["0-7", "8-15", "16-23"]
+    assert layer_ranges(make_body()["spec"]) == ["auto", "auto"]
+    assert stages_summary(make_body(stages=stages(2, layers=True))["spec"]) == "gpu:8 cpu:8"
+    assert stages_summary(make_body()["spec"]) == "gpu:auto cpu:auto"

@@ -1,0 +1,174 @@
+"""Render tests: every child, every mode (hostPath/none), 1-3 stages, TP 1/2, replicas 0-3."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import yaml
+
+from hybrid_operator import names
+from hybrid_operator.render import render_children
+from hybrid_operator.settings import MASTER_PORT, Settings
+
+from hi_fixtures import make_body, stages
+
+MATRIX = list(itertools.product(["hostPath", "none"], [1, 2, 3], [1, 2], [0, 1, 2, 3]))
+
+
+def by_kind(children, kind):
+    return [c for c in children if c["kind"] == kind]
+
+
+def env_of(container):
+    return {e["name"]: e for e in container["env"]}
+
+
+@pytest.mark.parametrize("mode,n_stages,tp,replicas", MATRIX)
+def test_children_for_every_shape(mode, n_stages, tp, replicas):
+    body = make_body(stages=stages(n_stages, tp), replicas=replicas, sharedMemory={"mode": mode})
+    children = render_children(body)
+    kinds = [c["kind"] for c in children]
+    assert kinds == ["ConfigMap", "Service", "Service"] + ["StatefulSet"] * n_stages
+
+    for child in children:  # every child is owned by the instance (GC on delete)
+        ref = child["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == body["metadata"]["uid"] and ref["controller"] is True
+        assert child["metadata"]["namespace"] == "ml"
+
+    plan = yaml.safe_load(by_kind(children, "ConfigMap")[0]["data"]["plan.yaml"])
+    assert [s["name"] for s in plan["stages"]] == [s["name"] for s in body["spec"]["stages"]]
+    assert all(s["tensor_parallel"] == tp for s in plan["stages"])
+
+    for index, sts in enumerate(by_kind(children, "StatefulSet")):
+        stage = body["spec"]["stages"][index]
+        assert sts["metadata"]["name"] == f"llama-{stage['name']}"
+        assert sts["spec"]["replicas"] == replicas
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["serviceName"] == "llama-peers"
+        tmpl = sts["spec"]["template"]
+        assert sts["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
+        pod = tmpl["spec"]
+        (c,) = pod["containers"]
+        env = env_of(c)
+        assert env["HYBRID_STAGE"]["value"] == str(index)
+        assert env["HYBRID_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['apps.kubernetes.io/pod-index']"
+        assert env["HYBRID_MASTER_ADDR"]["value"] == "llama-gpu-{replica}.llama-peers.ml.svc.cluster.local"
+        assert env["HYBRID_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert c["command"] == ["vllm-hybrid"] and c["args"] == ["serve", "--plan", "/etc/hybrid/plan.yaml"]
+        res = c["resources"]
+        if stage["device"] == "cpu":  # Guaranteed QoS with integer CPUs
+            assert res["requests"] == res["limits"] == {"cpu": "16", "memory": "64Gi"}
+            assert plan["stages"][index]["cpus"] == int(res["limits"]["cpu"])
+            assert plan["stages"][index]["memory"] == res["limits"]["memory"]
+        else:
+            assert res["limits"]["nvidia.com/gpu"] == str(tp) == res["requests"]["nvidia.com/gpu"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        affinity = pod.get("affinity")
+        if mode == "hostPath":
+            assert shm["hostPath"] == {"path": "/dev/shm/hybrid-inference/ml.llama.01234567",
+                                       "type": "DirectoryOrCreate"}
+            assert mount["subPathExpr"] == "replica-$(HYBRID_REPLICA)"
+            assert pod["initContainers"][0]["command"] == ["sh", "-c", "chmod 1777 /dev/shm"]
+            if index == 0:
+                assert affinity is None
+            else:
+                (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                assert term["matchLabelKeys"] == ["apps.kubernetes.io/pod-index"]
+                assert term["topologyKey"] == "kubernetes.io/hostname"
+                assert term["labelSelector"]["matchLabels"] == {names.INSTANCE_LABEL: "llama",
+                                                                names.STAGE_INDEX_LABEL: "0"}
+        else:
+            assert shm["emptyDir"]["medium"] == "Memory" and "hostPath" not in shm
+            assert "subPathExpr" not in mount and "initContainers" not in pod and affinity is None
+
+
+def test_stage0_serves_api_with_probes_and_other_stages_only_metrics():
+    sts = by_kind(render_children(make_body(stages=stages(3))), "StatefulSet")
+    head = sts[0]["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in head["ports"]} == {"http": 8000, "master": MASTER_PORT,
+                                                                      "metrics": 9100}
+    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert head["startupProbe"]["failureThreshold"] * head["startupProbe"]["periodSeconds"] >= 1800
+    for tail in sts[1:]:
+        c = tail["spec"]["template"]["spec"]["containers"][0]
+        assert [p["name"] for p in c["ports"]] == ["metrics"]
+        assert "httpGet" not in c["readinessProbe"]
+
+
+def test_services():
+    cm, peers, client, *_ = render_children(make_body())
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    assert peers["spec"]["selector"] == {names.INSTANCE_LABEL: "llama"}
+    assert client["metadata"]["name"] == "llama"
+    assert client["spec"]["selector"] == {names.INSTANCE_LABEL: "llama", names.STAGE_INDEX_LABEL: "0"}
+    assert client["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_api_key_and_hf_token_come_from_secrets_never_args():
+    body = make_body(model={"repo": "meta-llama/Llama-3.1-8B", "revision": "main",
+                            "tokenSecretRef": {"name": "hf"}},
+                     serving={"apiKeySecretRef": {"name": "api", "key": "k"}})
+    for sts in by_kind(render_children(body), "StatefulSet"):
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        env = env_of(c)
+        assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "k"}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+        assert not any("api-key" in a or "token" in a for a in c["args"])
+    plan = yaml.safe_load(render_children(body)[0]["data"]["plan.yaml"])
+    assert plan["model"] == "meta-llama/Llama-3.1-8B" and plan["revision"] == "main"
+
+
+def test_spec_change_changes_plan_hash_so_every_stage_rolls():
+    a = by_kind(render_children(make_body()), "StatefulSet")
+    b = by_kind(render_children(make_body(serving={"maxNumSeqs": 8})), "StatefulSet")
+    for x, y in zip(a, b):
+        ha = x["spec"]["template"]["metadata"]["annotations"][names.PLAN_HASH]
+        hb = y["spec"]["template"]["metadata"]["annotations"][names.PLAN_HASH]
+        assert ha != hb
+
+
+def test_stage_extras_nodeselector_tolerations_resources_numa_and_images():
+    st = stages(2)
+    st[1].update(nodeSelector={"node.kubernetes.io/instance-type": "c7i"}, numaNode=1,
+                 tolerations=[{"key": "cpu-only", "operator": "Exists", "effect": "NoSchedule"}],
+                 resources={"limits": {"hugepages-2Mi": "1Gi"}, "requests": {"hugepages-2Mi": "1Gi"}})
+    body = make_body(stages=st, images={"cpu": "my/cpu:1", "pullSecrets": ["regcred"]})
+    gpu, cpu = by_kind(render_children(body, Settings(gpu_image="def/gpu:2")), "StatefulSet")
+    pod = cpu["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "c7i"}
+    assert pod["tolerations"][0]["key"] == "cpu-only"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert c["resources"]["limits"] == {"hugepages-2Mi": "1Gi", "cpu": "16", "memory": "64Gi"}
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert env_of(c)["HYBRID_NUMA_NODE"]["value"] == "1"
+    assert c["image"] == "my/cpu:1"
+    assert gpu["spec"]["template"]["spec"]["containers"][0]["image"] == "def/gpu:2"
+
+
+def test_network_policy_only_when_enabled():
+    assert not by_kind(render_children(make_body()), "NetworkPolicy")
+    (np,) = by_kind(render_children(make_body(), Settings(network_policy=True)), "NetworkPolicy")
+    own, public = np["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {names.INSTANCE_LABEL: "llama"}}}]}
+    assert sorted(p["port"] for p in public["ports"]) == [8000, 9100]  # never the rendezvous port
+    assert np["spec"]["podSelector"]["matchLabels"] == {names.INSTANCE_LABEL: "llama"}
+
+
+def test_runtime_containers_hardened():
+    for mode in ("hostPath", "none"):
+        for sts in by_kind(render_children(make_body(sharedMemory={"mode": mode})), "StatefulSet"):
+            pod = sts["spec"]["template"]["spec"]
+            sc = pod["containers"][0]["securityContext"]
+            assert sc["runAsNonRoot"] and sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert pod["automountServiceAccountToken"] is False
+
+
+def test_render_is_pure_and_deterministic():
+    body = make_body()
+    snapshot = yaml.safe_dump(body)
+    assert render_children(body) == render_children(body)
+    assert yaml.safe_dump(body) == snapshot  # the input is not mutated
