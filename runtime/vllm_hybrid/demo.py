@@ -23,7 +23,7 @@ def gpu_setup() -> tuple[dict[str, str], dict[str, str]] | None:
         return None
     here = str(Path(__file__).resolve().parents[1])
     return ({"PYTHONPATH": f"{here}:{gpu_path}", "VLLM_USE_FLASHINFER_SAMPLER": "0"},
-            {"PYTHONPATH": f"{here}:{cpu_path}", "VLLM_HYBRID_SYSTEM_MEMORY_CHECK": "1"})
+            {"PYTHONPATH": f"{here}:{cpu_path}", "HYBRID_SYSTEM_MEMORY_CHECK": "1"})
 
 
 def demo_plan(model: Path, gpu: bool) -> dict:

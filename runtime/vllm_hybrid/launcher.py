@@ -83,7 +83,7 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
     env = dict(base)
     env.update(GPU_VLLM_ENV)
     env.update({
-        "VLLM_HYBRID_PIPELINE": "1",
+        "HYBRID_PIPELINE": "1",
         "VLLM_PP_LAYER_PARTITION": split.partition,
         "HYBRID_STAGE": str(ident.stage),
         "HYBRID_REPLICA": str(ident.replica),

@@ -6,10 +6,8 @@ Each patch names the upstream function it replaces and why. They are applied by 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
-log = logging.getLogger("vllm_hybrid.patches")
 APPLIED: list[str] = []
 
 
@@ -96,7 +94,7 @@ def patch_pp_recv_to_device(parallel_state) -> None:
 def patch_cpu_kv_memory_check() -> None:
     # vllm.v1.worker.cpu_worker.get_memory_node_info (from vllm.utils.cpu_resource_utils): the
     # KV-cache request is checked against the NUMA node's free memory. Some VMs report a synthetic,
-    # tiny node figure while the system has plenty; opt-in (VLLM_HYBRID_SYSTEM_MEMORY_CHECK=1)
+    # tiny node figure while the system has plenty; opt-in (HYBRID_SYSTEM_MEMORY_CHECK=1)
     # to check against system-wide available memory instead.
     import psutil
     from vllm.utils import cpu_resource_utils
@@ -120,7 +118,8 @@ def apply_all() -> list[str]:
     patch_pp_group_without_device_communicator(parallel_state)
     patch_pp_send_via_host(parallel_state)
     patch_pp_recv_to_device(parallel_state)
-    if current_platform.is_cpu() and os.environ.get("VLLM_HYBRID_SYSTEM_MEMORY_CHECK") == "1":
+    if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
-    log.info("vllm_hybrid patches applied: %s", ", ".join(APPLIED))
+    from vllm.logger import init_logger
+    init_logger("vllm.hybrid.patches").info("vllm_hybrid patches applied (pid %d): %s", os.getpid(), ", ".join(APPLIED))
     return APPLIED

@@ -1,14 +1,14 @@
 """vLLM general plugin (entry point group `vllm.general_plugins`).
 
 vLLM loads it in every process it starts. It does nothing unless the launcher enabled it
-(VLLM_HYBRID_PIPELINE=1), so installing the runtime never changes plain vLLM.
+(HYBRID_PIPELINE=1), so installing the runtime never changes plain vLLM.
 """
 from __future__ import annotations
 
 import os
 
 SUPPORTED_VLLM = "0.26.0"
-ENABLE_ENV = "VLLM_HYBRID_PIPELINE"
+ENABLE_ENV = "HYBRID_PIPELINE"
 
 
 class UnsupportedVllmVersion(RuntimeError):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import yaml
 
 from hybrid_operator.plan import layer_ranges, render_plan, stages_summary
@@ -21,7 +22,7 @@ def documented_keys():
 def test_plan_uses_only_documented_keys():
     top, stage_keys = documented_keys()
     plan = render_plan(make_body(stages=stages(3, layers=True))["spec"])
-    assert set(plan) - {"strategy"} == top  # strategy: optional, added with the CRD field
+    assert set(plan) == top
     for stage in plan["stages"]:
         assert set(stage) <= stage_keys
 
@@ -37,7 +38,7 @@ def test_plan_values():
     assert plan == {
         "model": "/models/llama-3.1-8b", "revision": None, "served_model_name": "llama", "dtype": "float16",
         "max_model_len": 8192, "block_size": 64, "max_num_seqs": 32, "max_num_batched_tokens": 16384,
-        "api_port": 8080, "master_port": 29500, "metrics_port": 9200, "load_format": "auto",
+        "api_port": 8080, "master_port": 29500, "supervisor_port": 29501, "metrics_port": 9200, "load_format": "auto",
         "strategy": "balanced", "extra_args": ["--enforce-eager"],
         "stages": [
             {"name": "gpu", "device": "gpu", "tensor_parallel": 1, "layers": 8, "gpu_memory_utilization": 0.9},
@@ -59,3 +60,26 @@ def test_layer_ranges():
     assert layer_ranges(make_body()["spec"]) == ["auto", "auto"]
     assert stages_summary(make_body(stages=stages(2, layers=True))["spec"]) == "gpu:8 cpu:8"
     assert stages_summary(make_body()["spec"]) == "gpu:auto cpu:auto"
+
+
+def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():
+    st = stages(2)
+    st[0]["gpuMemory"] = "80Gi"
+    plan = render_plan(make_body(stages=st)["spec"])
+    assert plan["stages"][0]["memory"] == "80Gi"
+
+
+@pytest.mark.parametrize("n_stages,tp,layers", [(1, 1, False), (2, 1, True), (3, 2, False), (3, 2, True)])
+def test_runtime_loader_accepts_rendered_plans(n_stages, tp, layers):
+    """Contract test: the runtime's own validator reads what the operator renders."""
+    from vllm_hybrid.plan import plan_from_dict
+
+    st = stages(n_stages, tp, layers)
+    st[0]["gpuMemory"] = "80Gi"
+    spec = make_body(stages=st, serving={"apiKeySecretRef": {"name": "k"}, "extraArgs": ["--enforce-eager"]})["spec"]
+    plan = plan_from_dict(yaml.safe_load(yaml.safe_dump(render_plan(spec))))
+    assert [s.name for s in plan.stages] == [s["name"] for s in st]
+    assert plan.stages[0].memory_bytes == 80 * 2**30
+    assert plan.supervision_port == 29501 and plan.api_port == 8000
+    if n_stages > 1:
+        assert plan.stages[1].cpus == 16 and plan.stages[1].memory_bytes == 64 * 2**30

@@ -8,7 +8,7 @@ import yaml
 
 from hybrid_operator import names
 from hybrid_operator.render import render_children
-from hybrid_operator.settings import MASTER_PORT, Settings
+from hybrid_operator.settings import MASTER_PORT, SUPERVISOR_PORT, Settings
 
 from hi_fixtures import make_body, stages
 
@@ -88,7 +88,7 @@ def test_stage0_serves_api_with_probes_and_other_stages_only_metrics():
     sts = by_kind(render_children(make_body(stages=stages(3))), "StatefulSet")
     head = sts[0]["spec"]["template"]["spec"]["containers"][0]
     assert {p["name"]: p["containerPort"] for p in head["ports"]} == {"http": 8000, "master": MASTER_PORT,
-                                                                      "metrics": 9100}
+                                                                      "supervisor": SUPERVISOR_PORT, "metrics": 9100}
     assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert head["startupProbe"]["failureThreshold"] * head["startupProbe"]["periodSeconds"] >= 1800
     for tail in sts[1:]:

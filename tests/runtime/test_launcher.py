@@ -1,0 +1,113 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from vllm_hybrid.cpubind import plan_binding
+from vllm_hybrid.launcher import identity_from_env, numactl_prefix, vllm_command, vllm_env
+from vllm_hybrid.plan import PlanError, plan_from_dict
+from vllm_hybrid.planner import model_shape, split_layers
+from vllm_hybrid.plugin import UnsupportedVllmVersion, check_vllm_version
+from test_planner import LLAMA_8B
+
+PLAN = {"model": "/models/llama", "served_model_name": "llama", "dtype": "bfloat16", "max_model_len": 8192,
+        "api_port": 8000, "master_port": 29500, "extra_args": ["--seed", "7"],
+        "stages": [{"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.8},
+                   {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 16, "memory": "64Gi"}]}
+
+
+def build(stage, env=None):
+    plan = plan_from_dict(PLAN)
+    split = split_layers(plan, model_shape(LLAMA_8B))
+    ident = identity_from_env({"HYBRID_MASTER_ADDR": "x-gpu-{replica}.x-peers", "HYBRID_REPLICA": "2",
+                               "HYBRID_HOST_IP": "10.0.0.5", **(env or {})}, stage=stage)
+    binding = plan_binding(list(range(16)), {0: list(range(16))}) if plan.stages[stage].is_cpu else None
+    return vllm_command(plan, split, ident, python="py"), vllm_env(plan, split, ident, binding, {"PATH": "/bin"}), binding
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_head_stage_serves_api_on_gpu():
+    argv, env, _ = build(0)
+    assert argv[:5] == ["py", "-m", "vllm_hybrid.vllm_entry", "serve", "/models/llama"]
+    assert flag(argv, "--node-rank") == "0" and flag(argv, "--nnodes") == "2"
+    assert flag(argv, "--master-addr") == "x-gpu-2.x-peers" and flag(argv, "--master-port") == "29500"
+    assert flag(argv, "--port") == "8000" and "--headless" not in argv
+    assert flag(argv, "--gpu-memory-utilization") == "0.8"
+    assert flag(argv, "--block-size") == "128" and flag(argv, "--max-num-seqs") == "64"
+    assert "--no-async-scheduling" in argv and argv[-2:] == ["--seed", "7"]
+    assert env["VLLM_PP_LAYER_PARTITION"] == "16,16" and env["HYBRID_PIPELINE"] == "1"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_HOST_IP"] == "10.0.0.5"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_cpu_stage_is_headless_with_cpu_env():
+    argv, env, binding = build(1)
+    assert "--headless" in argv and "--port" not in argv and flag(argv, "--node-rank") == "1"
+    assert "--gpu-memory-utilization" not in argv
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-14" == binding.omp_bind
+    # 64Gi - 3Gi runtime reserve - 16 layers (6.5 GiB) - LM head (0.98 GiB) -> 53 whole GiB of KV
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "53"
+    assert env["HYBRID_LAYER_RANGE"] == "16-31"
+
+
+def test_same_settings_pinned_on_every_stage():
+    a, _, _ = build(0)
+    b, _, _ = build(1)
+    for name in ("--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--dtype",
+                 "--pipeline-parallel-size", "--tensor-parallel-size", "--served-model-name"):
+        assert flag(a, name) == flag(b, name), name
+
+
+def test_identity_from_env():
+    assert identity_from_env({"HYBRID_STAGE": "1", "HYBRID_REPLICA": "3"}).replica == 3
+    with pytest.raises(PlanError, match="HYBRID_STAGE"):
+        identity_from_env({})
+    with pytest.raises(PlanError, match="HYBRID_REPLICA"):
+        identity_from_env({"HYBRID_STAGE": "0", "HYBRID_REPLICA": "x"})
+
+
+def test_numactl_only_with_several_nodes():
+    multi = plan_binding(list(range(8)), {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]})
+    assert numactl_prefix(multi, "/usr/bin/numactl") == ["/usr/bin/numactl", f"--membind={multi.numa_node}"]
+    assert numactl_prefix(multi, None) == []
+    assert numactl_prefix(plan_binding([0, 1], {0: [0, 1]}), "/usr/bin/numactl") == []
+
+
+def test_version_check():
+    check_vllm_version("0.26.0")
+    check_vllm_version("0.26.0+cpu")
+    with pytest.raises(UnsupportedVllmVersion, match="supports vLLM 0.26.0 only.*0.27.1"):
+        check_vllm_version("0.27.1")
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "vllm_hybrid.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_cli_dry_run_and_errors(tiny_llama, tmp_path):
+    plan = {**PLAN, "model": str(tiny_llama), "dtype": "float32", "max_model_len": 512,
+            "stages": [{"name": "a", "device": "cpu", "cpus": 1, "memory": "4Gi"},
+                       {"name": "b", "device": "cpu", "cpus": 1, "memory": "4Gi"}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    r = run_cli("serve", "--plan", str(path), "--stage", "1", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
+    assert resolved["role"] == "headless" and resolved["partition"] == "2,2"
+    r = run_cli("plan", "--plan", str(path))
+    assert r.returncode == 0 and "VLLM_PP_LAYER_PARTITION=2,2" in r.stdout
+    r = run_cli("serve", "--plan", str(path), "--stage", "5")
+    assert r.returncode == 2 and "stage: 5 is out of range" in r.stderr
+    path.write_text(yaml.safe_dump({**plan, "stages": plan["stages"][:1] + [{"name": "b", "device": "cpu"}]}))
+    r = run_cli("serve", "--plan", str(path), "--stage", "0")
+    assert r.returncode == 2 and "stages[1].cpus: required" in r.stderr
+    path.write_text(yaml.safe_dump({**plan, "model": str(tmp_path / "nope")}))
+    r = run_cli("plan", "--plan", str(path))
+    assert r.returncode == 2 and "missing model files" in r.stderr

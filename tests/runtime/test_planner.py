@@ -1,0 +1,88 @@
+import json
+
+import pytest
+
+from vllm_hybrid.plan import PlanError, plan_from_dict
+from vllm_hybrid.planner import GiB, model_shape, read_model_config, split_layers
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def plan(stages, **kw):
+    return plan_from_dict({"model": "/m", "max_model_len": 8192, "stages": stages, **kw})
+
+
+def test_llama8b_shape_matches_known_sizes():
+    s = model_shape(LLAMA_8B)
+    assert s.layer_bytes == 436_224_000  # 218.1M params per layer in bf16
+    assert s.embedding_bytes == 128256 * 4096 * 2
+    assert s.kv_bytes_per_token_per_layer == 2 * 8 * 128 * 2
+    total = 32 * s.layer_bytes + 2 * s.embedding_bytes
+    assert 15.9e9 < total < 16.2e9  # the well-known ~16 GB of Llama-3.1-8B in bf16
+
+
+def test_gpu_first_then_cpu_and_the_arithmetic_adds_up():
+    p = plan([{"name": "gpu", "device": "gpu", "memory": "12Gi", "gpu_memory_utilization": 0.9},
+              {"name": "cpu", "device": "cpu", "cpus": 16, "memory": "64Gi"}])
+    split = split_layers(p, model_shape(LLAMA_8B))
+    gpu, cpu = split.stages
+    assert gpu.layers + cpu.layers == 32 and split.partition == f"{gpu.layers},{cpu.layers}"
+    # the GPU stage is filled: one more layer (+ its minimum KV) would not fit its budget
+    per_layer = 436_224_000 + 8192 * 4096
+    assert gpu.weight_bytes + gpu.layers * 8192 * 4096 <= gpu.budget_bytes < gpu.weight_bytes + gpu.layers * 8192 * 4096 + per_layer
+    assert (gpu.first_layer, cpu.first_layer) == (0, gpu.layers)
+    assert cpu.kv_bytes == cpu.budget_bytes - cpu.weight_bytes > 0
+    assert "VLLM_PP_LAYER_PARTITION=" in split.describe()
+
+
+def test_cpu_first_order_still_fills_the_gpu_and_is_deterministic():
+    stages = [{"name": "cpu", "device": "cpu", "cpus": 16, "memory": "64Gi"},
+              {"name": "gpu", "device": "gpu", "memory": "12Gi"}]
+    a = split_layers(plan(stages), model_shape(LLAMA_8B))
+    b = split_layers(plan(stages), model_shape(LLAMA_8B))
+    assert a == b
+    assert a.stages[1].layers > a.stages[0].layers - 32  # GPU got its fill, CPU the rest
+    assert a.stages[0].weight_bytes > a.stages[0].layers * 436_224_000  # embedding on stage 0
+
+
+def test_cpu_stages_share_by_cpu_count():
+    p = plan([{"name": "a", "device": "cpu", "cpus": 8, "memory": "200Gi"},
+              {"name": "b", "device": "cpu", "cpus": 24, "memory": "200Gi"}])
+    assert split_layers(p, model_shape(LLAMA_8B)).partition == "8,24"
+
+
+def test_explicit_layers_checked():
+    p = plan([{"name": "g", "device": "gpu", "layers": 16}, {"name": "c", "device": "cpu", "layers": 16, "cpus": 8, "memory": "64Gi"}])
+    assert split_layers(p, model_shape(LLAMA_8B)).partition == "16,16"
+    p = plan([{"name": "g", "device": "gpu", "layers": 10}, {"name": "c", "device": "cpu", "layers": 16, "cpus": 8, "memory": "64Gi"}])
+    with pytest.raises(PlanError, match="sum to 26, but the model has 32"):
+        split_layers(p, model_shape(LLAMA_8B))
+
+
+def test_refuses_when_it_does_not_fit():
+    p = plan([{"name": "g", "device": "gpu", "memory": "8Gi"}, {"name": "c", "device": "cpu", "cpus": 8, "memory": "8Gi"}])
+    with pytest.raises(PlanError, match="does not fit: 32 layers"):
+        split_layers(p, model_shape(LLAMA_8B))
+    p = plan([{"name": "g", "device": "gpu", "layers": 2}, {"name": "c", "device": "cpu", "layers": 30, "cpus": 8, "memory": "8Gi"}])
+    with pytest.raises(PlanError, match=r"stages\[1\] \(c\): does not fit"):
+        split_layers(p, model_shape(LLAMA_8B))
+
+
+def test_gpu_memory_needed_without_explicit_layers():
+    p = plan([{"name": "g", "device": "gpu"}, {"name": "c", "device": "cpu", "cpus": 8, "memory": "64Gi"}])
+    with pytest.raises(PlanError, match="memory of one GPU"):
+        split_layers(p, model_shape(LLAMA_8B))
+    assert split_layers(p, model_shape(LLAMA_8B), gpu_memory_bytes=80 * GiB).stages[0].layers == 31
+
+
+def test_unknown_architecture_and_missing_files(tmp_path):
+    with pytest.raises(PlanError, match="unsupported architecture"):
+        model_shape({**LLAMA_8B, "architectures": ["MambaForCausalLM"]})
+    with pytest.raises(PlanError, match="lacks hidden_size"):
+        model_shape({k: v for k, v in LLAMA_8B.items() if k != "hidden_size"})
+    with pytest.raises(PlanError, match="missing model files"):
+        read_model_config(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    assert read_model_config(str(tmp_path))["hidden_size"] == 4096

@@ -1,0 +1,121 @@
+"""Stage supervision with stand-in processes (no vLLM): peer loss, stage-0 loss, SIGTERM."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from vllm_hybrid.local import free_port
+
+# A stand-in for vLLM: a process that starts a grandchild and sleeps (like API server + workers).
+CHILD = [sys.executable, "-c", "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(600)']); time.sleep(600)"]
+
+
+def launcher(stage, port, child=CHILD):
+    code = textwrap.dedent(f"""
+        import logging, sys
+        from vllm_hybrid.supervise import Heartbeat, run_supervised
+        logging.basicConfig(level=logging.INFO)
+        sys.exit(run_supervised({child!r}, None, Heartbeat({stage}, 2, "127.0.0.1", {port})))
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stderr=subprocess.PIPE, text=True)
+
+
+def wait_connected(proc, needle="stage 1 connected", timeout=20):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        line = proc.stderr.readline()
+        if needle in line:
+            return
+    raise AssertionError("heartbeat never connected")
+
+
+def group_gone(pgid, timeout=10):
+    """No live (non-zombie) process left in the process group."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[2]) == pgid and stat[0] != "Z":
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def descendants_gone(proc):
+    """The launcher's vLLM stand-in runs in its own session; find it through /proc and check it ended."""
+    children = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = open(f"/proc/{pid}/stat").read().split()
+            except OSError:
+                continue
+            if int(stat[3]) == proc.pid:
+                children.append(int(pid))
+    return children
+
+
+def test_stage0_exits_nonzero_when_peer_dies():
+    port = free_port()
+    head, peer = launcher(0, port), launcher(1, port)
+    try:
+        wait_connected(head)
+        kids = descendants_gone(head)
+        t0 = time.monotonic()
+        os.killpg(peer.pid, signal.SIGKILL)  # the whole peer pod dies
+        assert head.wait(30) == 75
+        assert time.monotonic() - t0 < 30
+        assert all(group_gone(k) for k in kids)  # its vLLM stand-in and grandchild are gone too
+    finally:
+        for p in (head, peer):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_headless_stage_exits_when_stage0_goes():
+    port = free_port()
+    head, peer = launcher(0, port), launcher(1, port)
+    try:
+        wait_connected(head)
+        kids = descendants_gone(peer)
+        os.killpg(head.pid, signal.SIGKILL)
+        assert peer.wait(30) == 75
+        assert all(group_gone(k) for k in kids)
+    finally:
+        for p in (head, peer):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_sigterm_ends_every_process_of_the_stage():
+    # the stand-in ignores SIGTERM, as a hung vLLM does: the launcher must SIGKILL it after the grace period
+    stubborn = [sys.executable, "-c", "import signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "subprocess.Popen([sys.executable,'-c','import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); time.sleep(600)"]
+    port = free_port()
+    head = launcher(0, port, stubborn)
+    try:
+        time.sleep(2)
+        kids = descendants_gone(head)
+        assert kids
+        t0 = time.monotonic()
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(30) == 0
+        assert time.monotonic() - t0 < 30
+        assert all(group_gone(k, timeout=1) for k in kids)
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGKILL)
+
+
+def test_child_failure_is_the_exit_code():
+    port = free_port()
+    head = launcher(0, port, [sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert head.wait(20) == 3
