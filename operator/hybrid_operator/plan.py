@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from .defaults import with_defaults
-from .settings import MASTER_PORT
+from .settings import MASTER_PORT, SUPERVISOR_PORT
 
 MODEL_MOUNT = "/models"
 
@@ -33,6 +33,8 @@ def _stage(stage: dict[str, Any]) -> dict[str, Any]:
         out["layers"] = stage["layers"]
     if stage["device"] == "gpu":
         out["gpu_memory_utilization"] = stage.get("gpuMemoryUtilization", 0.9)
+        if "gpuMemory" in stage:
+            out["memory"] = stage["gpuMemory"]  # memory of ONE GPU, for the runtime's planner
     else:
         # Same values as the pod's Guaranteed requests/limits, so the runtime sizes the KV cache to fit.
         out["cpus"] = stage["cpus"]
@@ -56,6 +58,7 @@ def render_plan(spec: dict[str, Any]) -> dict[str, Any]:
             "maxNumBatchedTokens", max(model["maxModelLen"], serving["maxNumSeqs"])),
         "api_port": serving["port"],
         "master_port": MASTER_PORT,
+        "supervisor_port": SUPERVISOR_PORT,
         "metrics_port": spec["monitoring"]["port"],
         "load_format": model["loadFormat"],
         "strategy": spec["strategy"],

@@ -11,6 +11,7 @@ KIND = "HybridInference"
 API_VERSION = f"{GROUP}/{VERSION}"
 MANAGER = "hybrid-inference-operator"
 MASTER_PORT = 29500  # torch rendezvous on stage 0; fixed so the NetworkPolicy can name it
+SUPERVISOR_PORT = 29501  # stage heartbeat, stage 0 listens (runtime default master_port + 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from .. import names
 from ..plan import MODEL_MOUNT
-from ..settings import MASTER_PORT, Settings
+from ..settings import MASTER_PORT, SUPERVISOR_PORT, Settings
 
 PLAN_DIR = "/etc/hybrid"
 CACHE_DIR = "/cache"
@@ -77,7 +77,8 @@ def _ports(spec: dict[str, Any], index: int) -> list[dict[str, Any]]:
     ports = [{"name": "metrics", "containerPort": spec["monitoring"]["port"], "protocol": "TCP"}]
     if index == 0:
         ports = [{"name": "http", "containerPort": spec["serving"]["port"], "protocol": "TCP"},
-                 {"name": "master", "containerPort": MASTER_PORT, "protocol": "TCP"}, *ports]
+                 {"name": "master", "containerPort": MASTER_PORT, "protocol": "TCP"},
+                 {"name": "supervisor", "containerPort": SUPERVISOR_PORT, "protocol": "TCP"}, *ports]
     return ports
 
 

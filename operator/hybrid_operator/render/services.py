@@ -5,7 +5,7 @@ from typing import Any
 
 from .. import names
 from ..defaults import with_defaults
-from ..settings import MASTER_PORT
+from ..settings import MASTER_PORT, SUPERVISOR_PORT
 from .common import child_metadata
 
 
@@ -28,6 +28,8 @@ def render_peers_service(body: dict[str, Any]) -> dict[str, Any]:
             "publishNotReadyAddresses": True,
             "selector": names.instance_selector(name),
             "ports": [{"name": "master", "port": MASTER_PORT, "targetPort": MASTER_PORT, "protocol": "TCP"},
+                      {"name": "supervisor", "port": SUPERVISOR_PORT, "targetPort": SUPERVISOR_PORT,
+                       "protocol": "TCP"},
                       *_ports(spec)],
         },
     }
