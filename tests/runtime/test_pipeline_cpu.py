@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -31,14 +32,20 @@ def plan_for(model, **over):
 CPU_ENVS = [{"HYBRID_CPUS": "0"}, {"HYBRID_CPUS": "1" if (os.cpu_count() or 1) > 1 else "0"}]
 
 
+def reference(model, prompts, max_tokens, dtype="float32", env=None, python=sys.executable, **extra):
+    """Greedy outputs of single-process vLLM (tests/reference_generate.py) in a subprocess."""
+    work = Path(tempfile.mkdtemp())
+    spec = {"model": str(model), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
+    (work / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([python, str(Path(__file__).parents[1] / "reference_generate.py"), str(work / "spec.json"),
+                    str(work / "out.json")], env={**os.environ, **(env or {})}, check=True, timeout=900)
+    return json.loads((work / "out.json").read_text())
+
+
 @pytest.fixture(scope="module")
-def reference_ids(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref") / "ids.json"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    subprocess.run([sys.executable, str(Path(__file__).with_name("reference_generate.py")), str(tiny_llama),
-                    str(out), str(MAX_TOKENS), *PROMPTS], env=env, check=True, timeout=900)
-    return json.loads(out.read_text())
+def reference_ids(tiny_llama):
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return [r["ids"] for r in reference(tiny_llama, PROMPTS, MAX_TOKENS, env=env)]
 
 
 @pytest.fixture(scope="module")
