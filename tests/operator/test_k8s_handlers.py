@@ -1,0 +1,287 @@
+"""Handlers against kmock's Kubernetes emulator: create, idempotency, updates, status, retries,
+restarts mid-way, deleted children, group restarts."""
+from __future__ import annotations
+
+import json
+
+import kmock as kmock_lib
+import pytest
+
+from hi_fixtures import make_body, stages
+from hybrid_operator import metrics, names
+from hybrid_operator.apply import apply
+from hybrid_operator.kube import KubeApi, path_for
+from hybrid_operator.render import render_children
+from hybrid_operator.reconcile import handle_pod_event, reconcile
+from hybrid_operator.settings import Settings
+
+HI = "hybrid.inference.dev/v1alpha1/hybridinferences"
+RESOURCES = {
+    "v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/pods": "Pod", "v1/events": "Event",
+    "apps/v1/statefulsets": "StatefulSet", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+    HI: "HybridInference",
+}
+SETTINGS = Settings(network_policy=True)
+
+
+@pytest.fixture
+async def api(kmock):
+    for res, kind in RESOURCES.items():
+        kmock.resources[res] = kmock_lib.ResourceInfo(namespaced=True, kind=kind,
+                                                      subresources={"status"} if res == HI else set())
+    client = KubeApi(str(kmock.url), retries=4, backoff_s=0.01)
+    yield client
+    await client.close()
+
+
+def put_instance(kmock, body):
+    kmock.objects[HI, body["metadata"]["namespace"], body["metadata"]["name"]] = body
+
+
+def live(kmock, res, ns="ml"):
+    """{name: raw object} of the non-deleted objects of one resource."""
+    out = {}
+    for (resource, namespace, name), obj in list(kmock.objects.items()):
+        if f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/") == res and namespace == ns \
+                and not obj.deleted:
+            out[name] = json.loads(json.dumps(obj.raw, default=dict))
+    return out
+
+
+def writes(kmock):
+    return [r for r in kmock if r.method.value in ("POST", "PATCH", "DELETE") and "/events" not in str(r.url)]
+
+
+async def test_create_makes_every_child_with_owner_references(kmock, api):
+    body = make_body(stages=stages(3))
+    put_instance(kmock, body)
+    result = await reconcile(api, body, SETTINGS)
+    assert set(live(kmock, "apps/v1/statefulsets")) == {"llama-gpu", "llama-cpu", "llama-cpu2"}
+    assert set(live(kmock, "v1/services")) == {"llama", "llama-peers"}
+    assert set(live(kmock, "v1/configmaps")) == {"llama-plan"}
+    assert set(live(kmock, "networking.k8s.io/v1/networkpolicies")) == {"llama-pipeline"}
+    for res in ("apps/v1/statefulsets", "v1/services", "v1/configmaps"):
+        for obj in live(kmock, res).values():
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
+    assert set(result["children"].values()) == {"created"}
+    events = live(kmock, "v1/events")
+    assert any(e["reason"] == "Applied" and e["involvedObject"]["name"] == "llama" for e in events.values())
+
+
+async def test_rerun_is_idempotent_no_duplicates_no_writes(kmock, api):
+    body = make_body()
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    before = len(writes(kmock))
+    body = live(kmock, HI)["llama"]  # with the status the first pass wrote
+    result = await reconcile(api, body, SETTINGS)
+    assert set(result["children"].values()) == {"unchanged"}
+    assert len(writes(kmock)) == before
+    assert len(live(kmock, "apps/v1/statefulsets")) == 2
+
+
+async def test_spec_change_patches_statefulsets_and_removes_dropped_fields(kmock, api):
+    st = stages(2)
+    st[1]["nodeSelector"] = {"pool": "cpu"}
+    body = make_body(stages=st)
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    assert live(kmock, "apps/v1/statefulsets")["llama-cpu"]["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+
+    body2 = make_body(stages=stages(2), replicas=3, serving={"maxNumSeqs": 16})
+    body2["metadata"]["generation"] = 2
+    result = await reconcile(api, body2, SETTINGS)
+    assert result["children"]["StatefulSet/llama-cpu"] == "patched"
+    sts = live(kmock, "apps/v1/statefulsets")
+    assert sts["llama-gpu"]["spec"]["replicas"] == 3 == sts["llama-cpu"]["spec"]["replicas"]
+    assert "nodeSelector" not in sts["llama-cpu"]["spec"]["template"]["spec"]  # null in the merge patch
+    assert "max_num_seqs: 16" in live(kmock, "v1/configmaps")["llama-plan"]["data"]["plan.yaml"]
+    assert [r for r in kmock if r.method.value == "PATCH" and "statefulsets/llama-gpu" in str(r.url)]
+
+
+async def test_removed_stage_statefulset_deleted(kmock, api):
+    body = make_body(stages=stages(3))
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    result = await reconcile(api, make_body(stages=stages(2)), SETTINGS)
+    assert result["children"]["StatefulSet/llama-cpu2"] == "deleted"
+    assert set(live(kmock, "apps/v1/statefulsets")) == {"llama-gpu", "llama-cpu"}
+
+
+def ready_pod(stage, index, i, ready=True, **status):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"llama-{stage}-{index}", "namespace": "ml",
+                         "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "labels": {**names.labels("llama", stage, i), names.POD_INDEX_LABEL: str(index)}},
+            "status": {"phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                       "containerStatuses": [{"name": "vllm", "restartCount": 0, "state": {"running": {}}}],
+                       **status}}
+
+
+async def test_status_written_with_conditions_and_counts(kmock, api):
+    body = make_body(stages=stages(2, layers=True))
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    status = live(kmock, HI)["llama"]["status"]
+    assert status["phase"] == "Progressing" and status["observedGeneration"] == 1
+    assert status["stagesSummary"] == "gpu:8 cpu:8"
+    assert [s["layers"] for s in status["stages"]] == ["0-7", "8-15"]
+    assert status["endpoint"] == "http://llama.ml.svc:8000/v1"
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "False", "Progressing": "True", "Degraded": "False"}
+
+    # The StatefulSet controller and kubelet do their part...
+    for name in ("llama-gpu", "llama-cpu"):
+        kmock.objects["apps/v1/statefulsets", "ml", name].patch(
+            {"status": {"replicas": 1, "readyReplicas": 1, "observedGeneration": 1,
+                        "currentRevision": "r1", "updateRevision": "r1"}})
+    kmock.objects["v1/pods", "ml", "llama-gpu-0"] = ready_pod("gpu", 0, 0)
+    kmock.objects["v1/pods", "ml", "llama-cpu-0"] = ready_pod("cpu", 0, 1)
+    await reconcile(api, live(kmock, HI)["llama"], SETTINGS)
+    status = live(kmock, HI)["llama"]["status"]
+    assert status["phase"] == "Ready" and status["ready"] == "1/1" and status["readyReplicas"] == 1
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "True", "Progressing": "False", "Degraded": "False"}
+    assert metrics.INSTANCES.labels(phase="Ready")._value.get() >= 1
+
+
+async def test_topology_affinity_error_surfaces_as_degraded_condition_and_event(kmock, api):
+    body = make_body()
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    pod = ready_pod("cpu", 0, 1, ready=False)
+    pod["status"] = {"phase": "Failed", "reason": "TopologyAffinityError",
+                     "message": "Resources cannot be allocated with Topology locality"}
+    kmock.objects["v1/pods", "ml", "llama-cpu-0"] = pod
+    await reconcile(api, live(kmock, HI)["llama"], SETTINGS)
+    status = live(kmock, HI)["llama"]["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert status["phase"] == "Degraded"
+    assert degraded["status"] == "True" and degraded["reason"] == "TopologyAffinityError"
+    assert "llama-cpu-0" in degraded["message"]
+    assert any(e["type"] == "Warning" and e["reason"] == "Degraded" for e in live(kmock, "v1/events").values())
+
+
+async def test_deleted_child_is_recreated(kmock, api):
+    body = make_body()
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    await api.delete(path_for("apps/v1", "StatefulSet", "ml", "llama-cpu"))
+    await api.delete(path_for("v1", "Service", "ml", "llama"))
+    result = await reconcile(api, live(kmock, HI)["llama"], SETTINGS)
+    assert result["children"]["StatefulSet/llama-cpu"] == "created"
+    assert result["children"]["Service/llama"] == "created"
+    assert "llama-cpu" in live(kmock, "apps/v1/statefulsets")
+
+
+async def test_drifted_child_is_repaired(kmock, api):
+    body = make_body()
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    kmock.objects["apps/v1/statefulsets", "ml", "llama-cpu"].patch({"spec": {"replicas": 7}})
+    result = await reconcile(api, live(kmock, HI)["llama"], SETTINGS)
+    assert result["children"]["StatefulSet/llama-cpu"] == "patched"
+    assert live(kmock, "apps/v1/statefulsets")["llama-cpu"]["spec"]["replicas"] == 1
+
+
+async def test_conflicts_and_transient_errors_are_retried(kmock, api):
+    body = make_body()
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    failures = {"patch": 0, "post": 0}
+
+    def conflict_twice(request):
+        if failures["patch"] < 2:
+            failures["patch"] += 1
+            raise kmock_lib.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
+        return None  # fall through to the emulator
+
+    def unavailable_once(request):
+        if failures["post"] < 1:
+            failures["post"] += 1
+            raise kmock_lib.KubernetesError(status=503, reason="ServiceUnavailable", message="etcd leader change")
+        return None
+
+    kmock["patch", kmock_lib.resource("apps/v1/statefulsets")] << conflict_twice
+    kmock["post", kmock_lib.resource("v1/services")] << unavailable_once
+    await api.delete(path_for("v1", "Service", "ml", "llama"))
+    result = await reconcile(api, make_body(replicas=2), SETTINGS)
+    assert failures == {"patch": 2, "post": 1}
+    assert result["children"]["StatefulSet/llama-gpu"] == "patched"
+    # kmock stores the object even when the reaction fails the request: like a write whose response
+    # got lost. The retry then meets 409 AlreadyExists, which apply() treats as "already there".
+    assert result["children"]["Service/llama"] in ("created", "unchanged")
+    assert "llama" in live(kmock, "v1/services")
+    assert live(kmock, "apps/v1/statefulsets")["llama-gpu"]["spec"]["replicas"] == 2
+
+
+async def test_operator_restart_between_steps_converges_without_duplicates(kmock, api):
+    """The old process died after applying some children (one of them left by an even older
+    version without our bookkeeping annotation); the new process finishes without duplicates."""
+    body = make_body(stages=stages(3))
+    put_instance(kmock, body)
+    children = render_children(body, SETTINGS)
+    for child in children[:5]:  # ConfigMap, Services, NetworkPolicy, first StatefulSet: then "killed"
+        await apply(api, child)
+    kmock.objects["apps/v1/statefulsets", "ml", "llama-cpu2"] = {  # stale leftover, no annotations
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": "llama-cpu2", "namespace": "ml"}, "spec": {"replicas": 5}}
+    fresh = KubeApi(str(kmock.url), retries=2, backoff_s=0.01)  # the restarted operator
+    try:
+        first = await reconcile(fresh, body, SETTINGS)
+        second = await reconcile(fresh, live(kmock, HI)["llama"], SETTINGS)
+    finally:
+        await fresh.close()
+    assert first["children"]["StatefulSet/llama-gpu"] == "unchanged"
+    assert first["children"]["StatefulSet/llama-cpu"] == "created"
+    assert first["children"]["StatefulSet/llama-cpu2"] == "patched"
+    assert set(second["children"].values()) == {"unchanged"}
+    assert set(live(kmock, "apps/v1/statefulsets")) == {"llama-gpu", "llama-cpu", "llama-cpu2"}
+    assert live(kmock, "apps/v1/statefulsets")["llama-cpu2"]["spec"]["replicas"] == 1
+    creates = [r for r in kmock if r.method.value == "POST" and "statefulsets" in str(r.url)]
+    assert len(creates) == 2  # gpu by the old process, cpu by the new one; nothing twice
+
+
+def pod(stage, index, i, created="2026-01-01T00:00:00Z", restarts=0, phase="Running"):
+    p = ready_pod(stage, index, i)
+    p["metadata"]["creationTimestamp"] = created
+    p["status"]["phase"] = phase
+    p["status"]["containerStatuses"][0]["restartCount"] = restarts
+    return p
+
+
+async def test_group_restart_deletes_every_pod_of_the_replica_and_records_event(kmock, api):
+    body = make_body(replicas=2)
+    put_instance(kmock, body)
+    pods = [pod("gpu", 0, 0), pod("cpu", 0, 1, restarts=1), pod("gpu", 1, 0), pod("cpu", 1, 1)]
+    for p in pods:
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    before = metrics.GROUP_RESTARTS._value.get()
+    deleted = await handle_pod_event(api, "MODIFIED", pods[1])
+    assert deleted == ["llama-cpu-0", "llama-gpu-0"]
+    assert set(live(kmock, "v1/pods")) == {"llama-gpu-1", "llama-cpu-1"}  # replica 1 untouched
+    assert metrics.GROUP_RESTARTS._value.get() == before + 1
+    (event,) = [e for e in live(kmock, "v1/events").values() if e["reason"] == "GroupRestart"]
+    assert event["type"] == "Warning" and "replica 0" in event["message"]
+
+
+async def test_group_restart_after_deletion_spares_replacements(kmock, api):
+    body = make_body(replicas=1)
+    put_instance(kmock, body)
+    gone = pod("gpu", 0, 0, created="2026-01-01T00:00:00Z")
+    peer = pod("cpu", 0, 1, created="2026-01-01T00:00:00Z")
+    replacement = pod("gpu", 0, 0, created="2026-01-01T00:05:00Z")
+    kmock.objects["v1/pods", "ml", "llama-cpu-0"] = peer
+    kmock.objects["v1/pods", "ml", "llama-gpu-0"] = replacement
+    assert await handle_pod_event(api, "DELETED", gone) == ["llama-cpu-0"]
+    # The next DELETED event (of the peer we just removed) must not touch the new gpu pod.
+    assert await handle_pod_event(api, "DELETED", peer) == []
+    assert "llama-gpu-0" in live(kmock, "v1/pods")
+
+
+async def test_healthy_pod_updates_cause_no_api_calls(kmock, api):
+    put_instance(kmock, make_body())
+    before = len(list(kmock))
+    assert await handle_pod_event(api, "MODIFIED", pod("cpu", 0, 1)) == []
+    assert len(list(kmock)) == before
