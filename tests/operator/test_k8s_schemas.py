@@ -1,0 +1,63 @@
+"""Rendered children and `helm template` output against the Kubernetes OpenAPI schemas (offline)."""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import kubernetes_validate
+import pytest
+
+from hi_fixtures import make_body, stages
+from hybrid_operator.render import render_children
+from hybrid_operator.settings import Settings
+from chart_render import helm_template
+
+# 1.29: first release with podAffinity matchLabelKeys; 1.37: newest schemas shipped.
+VERSIONS = ["1.29.0", "1.37.0"]
+SHAPES = list(itertools.product(["hostPath", "none"], [1, 2, 3], [1, 2], [0, 3]))
+
+
+def check(obj, version):
+    kubernetes_validate.validate(obj, version, strict=True)  # raises ValidationError
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("mode,n,tp,replicas", SHAPES)
+def test_rendered_children_are_valid_kubernetes_objects(version, mode, n, tp, replicas):
+    body = make_body(stages=stages(n, tp), replicas=replicas, sharedMemory={"mode": mode, "sizeLimit": "1Gi"},
+                     serving={"apiKeySecretRef": {"name": "k"}})
+    for child in render_children(body, Settings(network_policy=True)):
+        check(child, version)
+
+
+def test_validator_is_not_vacuous():
+    sts = next(c for c in render_children(make_body()) if c["kind"] == "StatefulSet")
+    bad = copy.deepcopy(sts)
+    bad["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check(bad, VERSIONS[-1])
+    bad = copy.deepcopy(sts)
+    bad["spec"]["replicas"] = "three"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check(bad, VERSIONS[-1])
+
+
+PROMETHEUS_KINDS = {"ServiceMonitor", "PodMonitor"}  # CRDs of the Prometheus Operator: no built-in schema
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("values", [
+    [],
+    ["--set", "networkPolicy.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+     "--set", "metrics.podMonitor.enabled=true", "--set", "watchNamespaces={a,b}", "--set", "logLevel=debug"],
+    ["--set", "metrics.enabled=false", "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=x"],
+])
+def test_helm_template_output_is_valid(version, values):
+    docs = helm_template(*values, include_crds=True)
+    kinds = {d["kind"] for d in docs}
+    assert {"CustomResourceDefinition", "Deployment", "ClusterRole"} <= kinds
+    for doc in docs:
+        if doc["kind"] in PROMETHEUS_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["spec"]
+            continue
+        check(doc, version)
