@@ -64,7 +64,7 @@ class KubeApi:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_connection_info(cls, info: Any) -> "KubeApi":
+    def from_connection_info(cls, info: Any) -> KubeApi:
         """From a kopf ConnectionInfo (kopf.login_with_service_account / login_with_kubeconfig)."""
         ctx: ssl.SSLContext | bool | None = None
         if info.insecure:
@@ -108,7 +108,7 @@ class KubeApi:
                     if resp.status not in RETRYABLE or attempt == self.retries:
                         raise ApiError(resp.status, body)
                     log.info("retrying %s %s after HTTP %s", method, path, resp.status)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 if attempt == self.retries:
                     raise
                 log.info("retrying %s %s after %r", method, path, exc)
@@ -153,9 +153,8 @@ def _cert_files(info: Any) -> tuple[str, str | None]:
         raw = data if isinstance(data, bytes) else data.encode()
         if not raw.lstrip().startswith(b"-----"):
             raw = base64.b64decode(raw)
-        f = tempfile.NamedTemporaryFile(delete=False, suffix=".pem")
-        f.write(raw)
-        f.close()
+        with tempfile.NamedTemporaryFile(delete=False, suffix=".pem") as f:
+            f.write(raw)
         return f.name
     cert = materialise(info.certificate_path, info.certificate_data)
     assert cert is not None

@@ -18,14 +18,14 @@ log = logging.getLogger(__name__)
 
 
 def utcnow() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def record_event(api: KubeApi, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     event = build_event(body, type_, reason, message, utcnow())
     try:
         await api.create(path_for("v1", "Event", body["metadata"]["namespace"]), event)
-    except Exception as exc:  # an Event is best effort; never fail a reconcile on it
+    except Exception as exc:  # noqa: BLE001  an Event is best effort; never fail a reconcile on it
         log.warning("could not record event %s: %s", reason, exc)
 
 

@@ -25,7 +25,7 @@ class Settings:
     status_interval_s: float = 15.0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
         d = cls()
         return cls(

@@ -5,7 +5,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from hi_fixtures import CRD_PATH
 
 

@@ -7,12 +7,12 @@ CEL rule from crds/hybridinferences.yaml at every place it applies (cel-python).
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import celpy
 import jsonschema
 import yaml
-
 from hi_fixtures import CRD_PATH
 
 

@@ -5,7 +5,6 @@ import copy
 import pathlib
 from typing import Any
 
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "hybridinferences.yaml"
 CHART = ROOT / "charts" / "hybrid-inference"

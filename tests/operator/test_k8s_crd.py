@@ -5,8 +5,13 @@ import re
 
 import pytest
 import yaml
-
-from crd_validation import all_rules, apply_defaults, crd_schema, evaluate_rule, validate
+from crd_validation import (
+    all_rules,
+    apply_defaults,
+    crd_schema,
+    evaluate_rule,
+    validate,
+)
 from hi_fixtures import CHART, CRD_PATH, ROOT, make_body, stages
 from hybrid_operator import defaults
 
@@ -145,8 +150,8 @@ def test_every_cel_rule_fires_on_some_invalid_spec_and_passes_on_valid_ones():
             try:
                 if not evaluate_rule(rule["rule"], value):
                     fired.add(rule["rule"])
-            except Exception:
-                pass  # schema-invalid inputs may not even type-check; the apiserver stops earlier
+            except Exception:  # noqa: BLE001, S110  schema-invalid inputs may not type-check; the apiserver stops earlier
+                pass
     assert set(all_rules()) == fired
     for body in VALID.values():  # and every rule holds on valid specs (validate() evaluates all)
         assert validate(body) == []
@@ -158,8 +163,7 @@ def test_cel_rules_are_standard_cel_with_messages_naming_fields():
 
     def walk(node):
         if isinstance(node, dict):
-            for r in node.get("x-kubernetes-validations", []):
-                yield r
+            yield from node.get("x-kubernetes-validations", [])
             for v in node.values():
                 yield from walk(v)
         elif isinstance(node, list):

@@ -6,13 +6,12 @@ import json
 
 import kmock as kmock_lib
 import pytest
-
 from hi_fixtures import make_body, stages
 from hybrid_operator import metrics, names
 from hybrid_operator.apply import apply
 from hybrid_operator.kube import KubeApi, path_for
-from hybrid_operator.render import render_children
 from hybrid_operator.reconcile import handle_pod_event, reconcile
+from hybrid_operator.render import render_children
 from hybrid_operator.settings import Settings
 
 HI = "hybrid.inference.dev/v1alpha1/hybridinferences"
@@ -195,13 +194,12 @@ async def test_conflicts_and_transient_errors_are_retried(kmock, api):
         if failures["patch"] < 2:
             failures["patch"] += 1
             raise kmock_lib.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
-        return None  # fall through to the emulator
+        # fall through to the emulator
 
     def unavailable_once(request):
         if failures["post"] < 1:
             failures["post"] += 1
             raise kmock_lib.KubernetesError(status=503, reason="ServiceUnavailable", message="etcd leader change")
-        return None
 
     kmock["patch", kmock_lib.resource("apps/v1/statefulsets")] << conflict_twice
     kmock["post", kmock_lib.resource("v1/services")] << unavailable_once

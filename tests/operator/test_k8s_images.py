@@ -4,7 +4,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from hi_fixtures import ROOT
 
 IMAGES = ROOT / "images"
@@ -17,8 +16,8 @@ def dockerfile(name):
 @pytest.mark.parametrize("name", ["operator", "runtime-cpu", "runtime-gpu"])
 def test_non_root_and_pinned_base(name):
     text = dockerfile(name)
-    assert re.search(r"^FROM python:\d+\.\d+\.\d+-slim-bookworm$", text, re.M)
-    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert re.search(r"^FROM python:\d+\.\d+\.\d+-slim-bookworm$", text, re.MULTILINE)
+    users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
     assert users and users[-1] == "1000:1000"
 
 
@@ -43,3 +42,12 @@ def test_operator_image_pins_and_runs_handlers():
     assert "kopf==1.45.2" in text
     assert all("==" in p for p in re.findall(r"pip install ([^\n]+)", text)[0].split())
     assert "hybrid_operator.handlers" in text
+
+
+def test_user_guide_states_pod_security_per_mode_and_node_prerequisites():
+    guide = (ROOT / "docs" / "user-guide.md").read_text()
+    for needle in ("cpuManagerPolicy", "`static`", "topologyManagerPolicy", "`single-numa-node`",
+                   "memoryManagerPolicy", "NVIDIA device plugin", "**`privileged`**",
+                   "**`baseline`** and **`restricted`**", "helm install", "chat/completions",
+                   "TopologyAffinityError", "GroupRestart"):
+        assert needle in guide, needle

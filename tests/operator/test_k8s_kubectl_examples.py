@@ -10,7 +10,6 @@ import asyncio
 
 import kmock as kmock_lib
 import yaml
-
 from hi_fixtures import BIN, ROOT
 
 CORE_V1 = {"apiVersion": "v1", "kind": "APIResourceList", "groupVersion": "v1", "resources": [

@@ -5,16 +5,14 @@ import re
 
 import pytest
 import yaml
-
-from hybrid_operator.plan import layer_ranges, render_plan, stages_summary
-
 from hi_fixtures import ROOT, make_body, stages
+from hybrid_operator.plan import layer_ranges, render_plan, stages_summary
 
 
 def documented_keys():
     """Top-level and stage keys from the YAML example in docs/plan-format.md."""
     doc = (ROOT / "docs" / "plan-format.md").read_text()
-    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", doc, re.S).group(1))
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", doc, re.DOTALL).group(1))
     stage_keys = set().union(*(s.keys() for s in example["stages"]))
     return set(example), stage_keys
 

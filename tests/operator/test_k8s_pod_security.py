@@ -3,7 +3,6 @@ hostPath needs a `privileged` namespace; none is admitted by `baseline` and `res
 from __future__ import annotations
 
 import pytest
-
 from chart_render import helm_template
 from hi_fixtures import make_body, stages
 from hybrid_operator.render import render_children

@@ -5,12 +5,10 @@ import itertools
 
 import pytest
 import yaml
-
+from hi_fixtures import make_body, stages
 from hybrid_operator import names
 from hybrid_operator.render import render_children
 from hybrid_operator.settings import MASTER_PORT, SUPERVISOR_PORT, Settings
-
-from hi_fixtures import make_body, stages
 
 MATRIX = list(itertools.product(["hostPath", "none"], [1, 2, 3], [1, 2], [0, 1, 2, 3]))
 
@@ -98,7 +96,7 @@ def test_stage0_serves_api_with_probes_and_other_stages_only_metrics():
 
 
 def test_services():
-    cm, peers, client, *_ = render_children(make_body())
+    _, peers, client, *_ = render_children(make_body())
     assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
     assert peers["spec"]["selector"] == {names.INSTANCE_LABEL: "llama"}
     assert client["metadata"]["name"] == "llama"

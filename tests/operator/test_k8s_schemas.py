@@ -6,11 +6,10 @@ import itertools
 
 import kubernetes_validate
 import pytest
-
+from chart_render import helm_template
 from hi_fixtures import make_body, stages
 from hybrid_operator.render import render_children
 from hybrid_operator.settings import Settings
-from chart_render import helm_template
 
 # 1.29: first release with podAffinity matchLabelKeys; 1.37: newest schemas shipped.
 VERSIONS = ["1.29.0", "1.37.0"]
