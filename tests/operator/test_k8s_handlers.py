@@ -283,3 +283,38 @@ async def test_healthy_pod_updates_cause_no_api_calls(kmock, api):
     before = len(list(kmock))
     assert await handle_pod_event(api, "MODIFIED", pod("cpu", 0, 1)) == []
     assert len(list(kmock)) == before
+
+
+async def test_kopf_handlers_are_registered_and_delegate(kmock, api):
+    """The kopf layer: the right resources/causes are wired, and each handler drives reconcile."""
+    import logging
+
+    import kopf
+
+    from hybrid_operator import handlers
+
+    registry = kopf.get_default_registry()
+    mine = [h for h in registry._changing.get_all_handlers() if h.fn.__name__ == "reconcile_instance"]
+    reasons = {str(h.reason.value) if h.reason else None for h in mine}
+    assert {"create", "update"} <= reasons
+    assert any(h.reason is None and h.initial for h in mine)  # on.resume: operator restarts
+    assert all(h.selector.group == "hybrid.inference.dev" and h.selector.any_name == "hybridinferences"
+               for h in mine)
+    assert "resync_instance" in {h.fn.__name__ for h in registry._spawning.get_all_handlers()}
+    watching = [h for h in registry._watching.get_all_handlers() if h.fn.__name__ == "pod_changed"]
+    assert watching and watching[0].labels == {"app.kubernetes.io/managed-by": "hybrid-inference-operator"}
+
+    body = make_body()
+    put_instance(kmock, body)
+    memo = kopf.Memo(api=api, config=SETTINGS)
+    await handlers.reconcile_instance(body=body, memo=memo, logger=logging.getLogger("t"))
+    assert set(live(kmock, "apps/v1/statefulsets")) == {"llama-gpu", "llama-cpu"}
+    await api.delete(path_for("apps/v1", "StatefulSet", "ml", "llama-gpu"))
+    await handlers.resync_instance(body=live(kmock, HI)["llama"], memo=memo)
+    assert "llama-gpu" in live(kmock, "apps/v1/statefulsets")
+
+    restarted = pod("gpu", 0, 0, restarts=2)
+    for p in (restarted, pod("cpu", 0, 1)):
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    await handlers.pod_changed(event={"type": "MODIFIED", "object": restarted}, memo=memo)
+    assert not live(kmock, "v1/pods")
