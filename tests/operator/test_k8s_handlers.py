@@ -290,7 +290,6 @@ async def test_kopf_handlers_are_registered_and_delegate(kmock, api):
     import logging
 
     import kopf
-
     from hybrid_operator import handlers
 
     registry = kopf.get_default_registry()
