@@ -49,6 +49,10 @@ def test_children_for_every_shape(mode, n_stages, tp, replicas):
         (c,) = pod["containers"]
         env = env_of(c)
         assert env["HYBRID_STAGE"]["value"] == str(index)
+        assert env["HYBRID_INSTANCE"]["value"] == "llama"  # `pipeline` label of the stage metrics
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["metrics"] == body["spec"].get("monitoring", {}).get("port", 9100)
+        assert ("http" in ports) == (index == 0)  # vLLM's /metrics lives on stage 0's API port
         assert env["HYBRID_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == \
             "metadata.labels['apps.kubernetes.io/pod-index']"
         assert env["HYBRID_MASTER_ADDR"]["value"] == "llama-gpu-{replica}.llama-peers.ml.svc.cluster.local"

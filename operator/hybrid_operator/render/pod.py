@@ -40,6 +40,8 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
     model = spec["model"]
     hf_home = f"{MODEL_MOUNT}/huggingface" if "repo" in model and "volume" in model else f"{CACHE_DIR}/huggingface"
     env = [
+        # `pipeline` label of the stage metrics (hybrid_stage_*): the HybridInference's name
+        {"name": "HYBRID_INSTANCE", "value": body["metadata"]["name"]},
         {"name": "HYBRID_STAGE", "value": str(index)},
         _field_env("HYBRID_REPLICA", f"metadata.labels['{names.POD_INDEX_LABEL}']"),
         {"name": "HYBRID_MASTER_ADDR", "value": master_addr(body, settings)},
