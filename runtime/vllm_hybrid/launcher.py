@@ -89,9 +89,10 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
         "HYBRID_REPLICA": str(ident.replica),
         "HYBRID_STAGE_NAME": stage.name,
         "HYBRID_LAYER_RANGE": split.stages[ident.stage].layer_range,
-        "HYBRID_METRICS_PORT": str(plan.metrics_port),
         "VLLM_NO_USAGE_STATS": "1",
     })
+    # local runs put several stages on one host: they pass each stage its own metrics port
+    env.setdefault("HYBRID_METRICS_PORT", str(plan.metrics_port))
     if ident.host_ip:
         env["VLLM_HOST_IP"] = ident.host_ip
     if Path(plan.model).is_dir():

@@ -38,17 +38,24 @@ class LocalPipeline:
         self.plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
         self.stage_envs = stage_envs or [{} for _ in plan["stages"]]
         self.procs: list[subprocess.Popen] = []
+        # stage i's metrics endpoint; distinct ports since all stages share this host
+        self.metrics_ports = [plan.get("metrics_port", 9100) if i == 0 else free_port()
+                              for i in range(len(plan["stages"]))]
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.plan['api_port']}"
+
+    def metrics_url(self, stage: int) -> str:
+        return f"http://127.0.0.1:{self.metrics_ports[stage]}/metrics"
 
     def log(self, stage: int) -> str:
         return (self.workdir / f"stage-{stage}.log").read_text(errors="replace")
 
     def start_stage(self, stage: int) -> subprocess.Popen:
         env = {**os.environ, "HYBRID_MASTER_ADDR": "127.0.0.1", "HYBRID_HOST_IP": "127.0.0.1",
-               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **self.stage_envs[stage]}
+               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+               "HYBRID_METRICS_PORT": str(self.metrics_ports[stage]), **self.stage_envs[stage]}
         out = open(self.workdir / f"stage-{stage}.log", "ab")
         cmd = [env.get("HYBRID_LAUNCHER_PYTHON", sys.executable), "-m", "vllm_hybrid.cli", "serve",
                "--plan", str(self.plan_path), "--stage", str(stage)]

@@ -7,8 +7,28 @@ from __future__ import annotations
 
 import functools
 import os
+import time
+
+from . import stage_metrics
 
 APPLIED: list[str] = []
+
+
+def _nbytes(tensor_dict) -> int:
+    return sum(v.numel() * v.element_size() for v in tensor_dict.values() if hasattr(v, "element_size"))
+
+
+class _TimedRecv:
+    """A receive handle whose wait() is timed: the time a stage waits for the previous one."""
+
+    def __init__(self, handle, metrics, nbytes):
+        self.handle, self.metrics, self.nbytes = handle, metrics, nbytes
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.handle.wait(*args, **kwargs)
+        self.metrics.transfer("recv", self.nbytes, time.perf_counter() - t0)
+        return out
 
 
 def _is_pp(group) -> bool:
@@ -56,11 +76,14 @@ def patch_pp_send_via_host(parallel_state) -> None:
     def isend_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None, all_gather_tensors=None):
         if not _is_pp(self):
             return original(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
+        t0 = time.perf_counter()
         host = {k: (v.to("cpu") if hasattr(v, "is_cpu") and not v.is_cpu else v) for k, v in tensor_dict.items()}
         handles = original(self, host, dst, None, None)
         # gloo send of host copies: wait here so the copies outlive the transfer.
         for h in handles:
             h.wait()
+        if (m := stage_metrics.current()) is not None:
+            m.transfer("send", _nbytes(host), time.perf_counter() - t0)
         return []
 
     cls.isend_tensor_dict = isend_tensor_dict
@@ -79,6 +102,8 @@ def patch_pp_recv_to_device(parallel_state) -> None:
         if not _is_pp(self):
             return original(self, src, all_gather_group, all_gather_tensors)
         tensor_dict, handles, postprocess = original(self, src, None, None)
+        if tensor_dict is not None and (m := stage_metrics.current()) is not None:
+            handles = [_TimedRecv(h, m, _nbytes(tensor_dict) if i == 0 else 0) for i, h in enumerate(handles)]
         if tensor_dict is not None and self.device.type != "cpu":
             def to_device(d=tensor_dict, device=self.device):
                 for k, v in d.items():
@@ -108,6 +133,34 @@ def patch_cpu_kv_memory_check() -> None:
     APPLIED.append("cpu_worker.get_memory_node_info(system-wide)")
 
 
+def patch_worker_step_metrics(gpu_worker) -> None:
+    # vllm.v1.worker.gpu_worker.Worker.initialize_from_config / execute_model (CPUWorker inherits
+    # both): time every step and count its tokens for the per-stage metrics (stage_metrics), and
+    # start the stage's metrics endpoint once the KV cache (its block count) exists.
+    cls = gpu_worker.Worker
+    init_original, step_original = cls.initialize_from_config, cls.execute_model
+
+    @functools.wraps(init_original)
+    def initialize_from_config(self, kv_cache_config):
+        out = init_original(self, kv_cache_config)
+        from vllm.distributed import get_tp_group
+        stage_metrics.start(kv_cache_config.num_blocks, self.device.type, get_tp_group().rank_in_group)
+        return out
+
+    @functools.wraps(step_original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        m = stage_metrics.current()
+        if m is None or not scheduler_output.total_num_scheduled_tokens:
+            return step_original(self, scheduler_output, *args, **kwargs)
+        t0 = m.begin_step()
+        out = step_original(self, scheduler_output, *args, **kwargs)
+        m.end_step(t0, scheduler_output)
+        return out
+
+    cls.initialize_from_config, cls.execute_model = initialize_from_config, execute_model
+    APPLIED.append("Worker.execute_model(stage metrics)")
+
+
 def apply_all() -> list[str]:
     if APPLIED:
         return APPLIED  # plugins may be loaded several times in one process
@@ -118,6 +171,8 @@ def apply_all() -> list[str]:
     patch_pp_group_without_device_communicator(parallel_state)
     patch_pp_send_via_host(parallel_state)
     patch_pp_recv_to_device(parallel_state)
+    from vllm.v1.worker import gpu_worker
+    patch_worker_step_metrics(gpu_worker)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     from vllm.logger import init_logger

@@ -96,3 +96,31 @@ def test_metrics_served(pipeline):
         text = r.read().decode()
     assert "vllm:generation_tokens_total" in text
     assert 'model_name="tiny"' in text
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}, enough to assert on."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and not line.startswith("#")}
+
+
+def metric(samples: dict[str, float], name: str, **labels) -> float:
+    hits = [v for k, v in samples.items() if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())]
+    assert hits, f"{name} {labels} not exported"
+    return sum(hits)
+
+
+def test_every_stage_exports_pipeline_metrics(pipeline):
+    post_json(pipeline.url + "/v1/completions", {"model": "tiny", "prompt": "metrics", "max_tokens": 8, "ignore_eos": True})
+    head, tail = scrape(pipeline.metrics_url(0)), scrape(pipeline.metrics_url(1))
+    for i, s in enumerate((head, tail)):
+        assert metric(s, "hybrid_stage_step_seconds_count", stage=str(i), replica="0") > 0
+        assert metric(s, "hybrid_stage_forward_seconds_count", stage=str(i)) > 0
+        assert metric(s, "hybrid_stage_tokens_total", stage=str(i)) >= 8
+        assert metric(s, "hybrid_stage_kv_blocks_total", stage=str(i)) > 0
+    assert metric(head, "hybrid_stage_info", stage="0", device="cpu", layers="0-0", cpus="0") == 1
+    assert metric(tail, "hybrid_stage_info", stage="1", layers="1-3", stage_name="tail") == 1
+    # activations leave stage 0 and arrive at stage 1: the same bytes on both sides
+    sent = metric(head, "hybrid_stage_transfer_bytes_total", direction="send")
+    assert sent > 0 and sent == metric(tail, "hybrid_stage_transfer_bytes_total", direction="recv")

@@ -1,0 +1,107 @@
+"""Per-stage pipeline metrics, served by each stage's first worker on the plan's metrics_port.
+
+vLLM's own /metrics (stage 0's API port) covers requests; these cover the pipeline: how long each
+stage takes per step, how much crosses between stages, the KV blocks a stage holds, its binding.
+Fed from the hooks in patches.py; the labels come from the launcher's environment.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+LABELS = ("pipeline", "stage", "stage_name", "replica")
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+
+
+def stage_labels(env=os.environ) -> dict[str, str]:
+    return {"pipeline": env.get("HYBRID_INSTANCE", "local"), "stage": env.get("HYBRID_STAGE", "0"),
+            "stage_name": env.get("HYBRID_STAGE_NAME", ""), "replica": env.get("HYBRID_REPLICA", "0")}
+
+
+class StageMetrics:
+    def __init__(self, labels: dict[str, str], registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, lab = self.registry, list(LABELS)
+        self.labels = labels
+        self.step = Histogram("hybrid_stage_step_seconds", "Wall time of one engine step on this stage "
+                              "(waiting for the previous stage, computing its layers, sending on)",
+                              lab, buckets=STEP_BUCKETS, registry=r).labels(**labels)
+        self.forward = Histogram("hybrid_stage_forward_seconds", "Time this stage computes its layers per step "
+                                 "(step minus inter-stage waits and sends)", lab, buckets=STEP_BUCKETS,
+                                 registry=r).labels(**labels)
+        self.tokens = Counter("hybrid_stage_tokens", "Tokens processed by this stage", lab, registry=r).labels(**labels)
+        xfer = [*lab, "direction"]
+        self.bytes = Counter("hybrid_stage_transfer_bytes", "Activation bytes sent/received between stages",
+                             xfer, registry=r)
+        self.xfer_seconds = Counter("hybrid_stage_transfer_seconds", "Time spent sending to the next stage / "
+                                    "waiting for the previous one", xfer, registry=r)
+        self.kv_total = Gauge("hybrid_stage_kv_blocks_total", "KV-cache blocks allocated on this stage",
+                              lab, registry=r).labels(**labels)
+        self.kv_used = Gauge("hybrid_stage_kv_blocks_used", "KV-cache blocks held by running requests",
+                             lab, registry=r).labels(**labels)
+        self.info = Info("hybrid_stage", "Device, layers, CPU binding and vLLM version of this stage",
+                         lab, registry=r).labels(**labels)
+        self._recv_wait = 0.0
+        self._send = 0.0
+        self._blocks: dict[str, int] = {}
+
+    # -- hooks (called from patches.py) --
+    def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.bytes.labels(**self.labels, direction=direction).inc(nbytes)
+        self.xfer_seconds.labels(**self.labels, direction=direction).inc(seconds)
+        if direction == "recv":
+            self._recv_wait += seconds
+        else:
+            self._send += seconds
+
+    def begin_step(self) -> float:
+        self._recv_wait = self._send = 0.0
+        return time.perf_counter()
+
+    def end_step(self, t0: float, scheduler_output) -> None:
+        elapsed = time.perf_counter() - t0
+        self.step.observe(elapsed)
+        self.forward.observe(max(0.0, elapsed - self._recv_wait - self._send))
+        self.tokens.inc(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._track_blocks(scheduler_output)
+
+    def _track_blocks(self, so) -> None:
+        """Blocks held by running requests, from the scheduler output every stage receives."""
+        for r in getattr(so, "scheduled_new_reqs", ()):
+            self._blocks[r.req_id] = len(r.block_ids[0]) if r.block_ids else 0
+        cached = getattr(so, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = getattr(cached, "resumed_req_ids", set())
+            for rid, new in zip(cached.req_ids, cached.new_block_ids):
+                if new:
+                    self._blocks[rid] = (0 if rid in resumed else self._blocks.get(rid, 0)) + len(new[0])
+        for rid in (*getattr(so, "finished_req_ids", ()), *(getattr(so, "preempted_req_ids", None) or ())):
+            self._blocks.pop(rid, None)
+        self.kv_used.set(sum(self._blocks.values()))
+
+
+_METRICS: StageMetrics | None = None
+
+
+def current() -> StageMetrics | None:
+    return _METRICS
+
+
+def start(num_blocks: int, device: str, tp_rank: int, env=os.environ) -> StageMetrics | None:
+    """Create this worker's metrics; TP rank 0 of the stage serves them (ranks are symmetric)."""
+    global _METRICS
+    if env.get("HYBRID_STAGE_METRICS", "1") == "0" or _METRICS is not None:
+        return _METRICS
+    m = StageMetrics(stage_labels(env))
+    m.kv_total.set(num_blocks)
+    from vllm import __version__ as vllm_version
+    m.info.info({"device": device, "layers": env.get("HYBRID_LAYER_RANGE", ""),
+                 "cpus": env.get("VLLM_CPU_OMP_THREADS_BIND", ""), "numa_node": env.get("HYBRID_NUMA_NODE_BOUND", ""),
+                 "vllm_version": vllm_version, "tp_rank": str(tp_rank)})
+    port = env.get("HYBRID_METRICS_PORT")
+    if tp_rank == 0 and port:
+        start_http_server(int(port), registry=m.registry)
+    _METRICS = m
+    return m
