@@ -14,3 +14,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "hi.serviceAccount" -}}
 {{- if .Values.serviceAccount.create }}{{ default (include "hi.fullname" .) .Values.serviceAccount.name }}{{ else }}{{ default "default" .Values.serviceAccount.name }}{{ end -}}
 {{- end -}}
+{{/* Target labels of pipeline pods: pipeline (instance), stage (index), stage_name, replica (pod index). */}}
+{{- define "hi.stageRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_hybrid_inference_dev_instance]
+  targetLabel: pipeline
+- sourceLabels: [__meta_kubernetes_pod_label_hybrid_inference_dev_stage_index]
+  targetLabel: stage
+- sourceLabels: [__meta_kubernetes_pod_label_hybrid_inference_dev_stage]
+  targetLabel: stage_name
+- sourceLabels: [__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index]
+  targetLabel: replica
+{{- end -}}
