@@ -12,6 +12,12 @@ GROUP_RESTARTS = Counter("hybrid_operator_group_restarts_total", "Pipeline repli
                          registry=REGISTRY)
 INSTANCES = Gauge("hybrid_operator_instances", "HybridInference objects by phase.", ["phase"], registry=REGISTRY)
 PHASES = ("Progressing", "Ready", "Degraded", "Stopped")
+# Every known label value exists from the start at 0, so rate()/increase() (dashboards, the
+# reconcile-errors alert) see the first error instead of a series that is born at 1.
+for _result in ("ok", "error"):
+    RECONCILES.labels(result=_result)
+for _handler in ("reconcile", "resync", "group-restart"):
+    ERRORS.labels(handler=_handler)
 
 _phase_of: dict[tuple[str, str], str] = {}
 

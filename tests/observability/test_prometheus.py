@@ -1,0 +1,398 @@
+"""The shipped dashboards and alerts against Debian's real Prometheus.
+
+One 2-stage CPU pipeline (HYBRID_INSTANCE=demo) and the operator's metrics endpoint (with real
+reconciles against kmock's Kubernetes emulator) are scraped every second by `prometheus` on
+loopback, with the labels the chart's PodMonitor gives pipeline targets. While traffic runs, every
+panel query of every dashboard must return data through /api/v1/query, every dashboard variable
+must list the pipeline, and every alert of files/alerts.yaml must load (promtool, Prometheus'
+rule manager) and evaluate; stopping a stage must make HybridInferenceStageDown pending.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import kmock as kmock_lib
+import pytest
+import yaml
+from vllm_hybrid import loadgen
+from vllm_hybrid.local import LocalPipeline, free_port, local_ports
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "hybrid-inference"
+DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+ALERTS = CHART / "files" / "alerts.yaml"
+NAMESPACE, PIPELINE, MODEL = "ml", "demo", "tiny"
+# What a user picks in the dashboards' variables (Grafana substitutes them before querying).
+VARIABLES = {"namespace": NAMESPACE, "pipeline": PIPELINE, "model_name": MODEL, "replica": "0",
+             "__rate_interval": "30s"}
+STAGES = [{"name": "head", "device": "cpu", "layers": 1, "cpus": 1, "memory": "4Gi"},
+          {"name": "tail", "device": "cpu", "layers": 3, "cpus": 1, "memory": "4Gi"}]
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if not path:
+        pytest.fail(f"`{tool}` not found: `make setup` installs Debian's prometheus package")
+    return path
+
+
+# ---------------------------------------------------------------- operator (in-process)
+HI = "hybrid.inference.dev/v1alpha1/hybridinferences"
+RESOURCES = {"v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/pods": "Pod", "v1/events": "Event",
+             "apps/v1/statefulsets": "StatefulSet", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+             HI: "HybridInference"}
+
+
+def instance_body() -> dict:
+    return {"apiVersion": "hybrid.inference.dev/v1alpha1", "kind": "HybridInference",
+            "metadata": {"name": PIPELINE, "namespace": NAMESPACE, "uid": "0123456789abcdef-uid", "generation": 1},
+            "spec": {"model": {"path": "tiny", "volume": {"claimName": "models"}}, "replicas": 1,
+                     "stages": [{"name": "gpu", "device": "gpu", "gpus": 1},
+                                {"name": "cpu", "device": "cpu", "cpus": 16, "memory": "64Gi"}]}}
+
+
+async def operator_activity(ok: int, failing: int) -> None:
+    """`ok` reconciles against kmock, then `failing` ones through the kopf handler (API unreachable)."""
+    from hybrid_operator import handlers
+    from hybrid_operator.kube import KubeApi
+    from hybrid_operator.reconcile import reconcile
+    from hybrid_operator.settings import Settings
+
+    body = instance_body()
+    if ok:
+        async with kmock_lib.KubernetesEmulator() as km, kmock_lib.Server(km):
+            for res, kind in RESOURCES.items():
+                km.resources[res] = kmock_lib.ResourceInfo(namespaced=True, kind=kind,
+                                                           subresources={"status"} if res == HI else set())
+            km.objects[HI, NAMESPACE, PIPELINE] = body
+            api = KubeApi(str(km.url), retries=2, backoff_s=0.01)
+            try:
+                for _ in range(ok):
+                    await reconcile(api, body, Settings(network_policy=True))
+            finally:
+                await api.close()
+    for _ in range(failing):
+        dead = KubeApi(f"http://127.0.0.1:{free_port()}", retries=0, backoff_s=0.01)
+        try:
+            with pytest.raises(Exception):  # noqa: B017 - any connection error
+                await handlers.reconcile_instance(body=body, memo=SimpleNamespace(api=dead, config=Settings()),
+                                                  logger=logging.getLogger("test"))
+        finally:
+            await dead.close()
+
+
+@pytest.fixture(scope="module")
+def operator_port():
+    from hybrid_operator import metrics
+    port = free_port()
+    metrics.serve(port)  # what handlers.startup does with HYBRID_METRICS_PORT
+    asyncio.run(operator_activity(ok=2, failing=0))
+    return port
+
+
+# ---------------------------------------------------------------- pipeline
+@pytest.fixture(scope="module")
+def pipeline(tiny_llama, tmp_path_factory):
+    plan = {"model": str(tiny_llama), "served_model_name": MODEL, "dtype": "float32", "max_model_len": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "extra_args": ["--enforce-eager"],
+            **local_ports(), "stages": STAGES}
+    cpus = ["0", "1" if (os.cpu_count() or 1) > 1 else "0"]
+    envs = [{"HYBRID_CPUS": c, "HYBRID_INSTANCE": PIPELINE} for c in cpus]  # the operator sets HYBRID_INSTANCE
+    pipe = LocalPipeline(plan, tmp_path_factory.mktemp("pipe"), envs).start()
+    try:
+        pipe.wait_ready(timeout=300)
+        yield pipe
+    finally:
+        pipe.stop()
+
+
+# ---------------------------------------------------------------- prometheus
+class Prom:
+    def __init__(self, url: str):
+        self.url = url
+
+    def get(self, path: str, **params) -> dict:
+        q = urllib.parse.urlencode(params, doseq=True)
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}?{q}", timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:  # 400/422: bad query; the body says why
+            return json.loads(e.read())
+
+    def query(self, expr: str) -> list[dict]:
+        out = self.get("/api/v1/query", query=expr)
+        assert out["status"] == "success", f"{expr}\n-> {out}"
+        return out["data"]["result"]
+
+    def wait_for(self, expr: str, timeout: float = 60) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(expr)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(1)
+
+
+def scrape_config(pipe: LocalPipeline, operator_port: int) -> dict:
+    """The targets and labels the chart's PodMonitor / ServiceMonitor produce in a cluster."""
+    def stage_labels(i):
+        return {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": str(i), "stage_name": STAGES[i]["name"],
+                "replica": "0"}
+    api = pipe.url.removeprefix("http://")
+    stage_targets = [{"targets": [pipe.metrics_url(i).removeprefix("http://").removesuffix("/metrics")],
+                      "labels": stage_labels(i)} for i in range(len(STAGES))]
+    return {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ALERTS)],
+        "scrape_configs": [
+            {"job_name": "pipeline-stages", "honor_labels": True, "static_configs": stage_targets},
+            {"job_name": "pipeline-vllm", "static_configs": [{"targets": [api], "labels": stage_labels(0)}]},
+            {"job_name": "operator", "static_configs": [{"targets": [f"127.0.0.1:{operator_port}"],
+                                                         "labels": {"namespace": "hybrid-system"}}]},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def prom(pipeline, operator_port, tmp_path_factory):
+    binary = need("prometheus")
+    work = tmp_path_factory.mktemp("prometheus")
+    (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(pipeline, operator_port)))
+    port = free_port()
+    log = open(work / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h",
+                             "--web.enable-lifecycle"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        p = Prom(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(p.url + "/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (work / "prometheus.log").read_text()
+            assert time.monotonic() < deadline, "prometheus not ready"
+            time.sleep(0.5)
+        yield p
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+class Traffic:
+    """Waves of 4 streaming requests in a thread until stop() (bounded to 10 min)."""
+
+    def __init__(self, url: str):
+        self.url, self.waves, self._stop = url, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        deadline = time.monotonic() + 600
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            self.waves.append(loadgen.wave(self.url, MODEL, [f"hello {i} {len(self.waves)}" for i in range(4)], 24))
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(120)
+        assert self.waves and all(w["failed"] == 0 for w in self.waves), self.waves[-1]
+        return self.waves
+
+
+def bad_request(url: str) -> None:
+    """An unknown model: HTTP 404, what the 4xx error panel counts."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(
+        {"model": "nope", "prompt": "x", "max_tokens": 1}).encode(), {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 404
+
+
+@pytest.fixture(scope="module")
+def traffic(pipeline, prom):
+    # a reconcile error the operator records while Prometheus watches (after it saw the count at 0)
+    assert prom.wait_for('hybrid_operator_reconciles_total{result="error"} == 0', timeout=30)
+    asyncio.run(operator_activity(ok=0, failing=1))
+    load = Traffic(pipeline.url)
+    bad_request(pipeline.url)
+    # rate() over 30s needs samples on both sides of the traffic: wait until every source shows it
+    for expr in ['sum(rate(vllm:generation_tokens_total[30s])) > 0',
+                 'count(rate(hybrid_stage_forward_seconds_count[30s]) > 0) == 2',
+                 'sum(rate(hybrid_stage_transfer_bytes_total[30s])) > 0',
+                 'sum(increase(hybrid_operator_reconciles_total{result="error"}[10m])) > 0']:
+        assert prom.wait_for(expr, timeout=90), f"no data for {expr}"
+    yield load
+    load.stop()
+
+
+# ---------------------------------------------------------------- dashboards
+def substitute(expr: str) -> str:
+    for name, value in sorted(VARIABLES.items(), key=lambda kv: -len(kv[0])):
+        expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+    assert "$" not in expr, f"unknown dashboard variable in {expr}"
+    return expr
+
+
+def panel_queries() -> list[tuple[str, str, str]]:
+    out = []
+    for path in DASHBOARDS:
+        board = json.loads(path.read_text())
+        for panel in board["panels"]:
+            for t in panel.get("targets", []):
+                out.append((path.stem, panel["title"], t["expr"]))
+    return out
+
+
+def test_every_dashboard_is_covered():
+    assert {p.stem for p in DASHBOARDS} == {"service", "pipeline", "operator"}
+    per_board = {b: sum(1 for q in panel_queries() if q[0] == b) for b in ("service", "pipeline", "operator")}
+    assert all(n >= 6 for n in per_board.values()), per_board
+
+
+def test_every_panel_query_returns_data(prom, traffic):
+    empty, queried = [], 0
+    for board, title, expr in panel_queries():
+        q = substitute(expr)
+        result = prom.wait_for(q, timeout=10)  # a fresh 1s scrape may lag one evaluation
+        queried += 1
+        if not result:
+            empty.append(f"{board} / {title}: {q}")
+    assert queried == len(panel_queries()) and not empty, "panels without data:\n" + "\n".join(empty)
+
+
+def test_dashboard_variables_list_the_pipeline(prom, traffic):
+    expected = {"namespace": NAMESPACE, "pipeline": PIPELINE, "model_name": MODEL, "replica": "0"}
+    seen = 0
+    for path in DASHBOARDS:
+        for var in json.loads(path.read_text())["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
+            assert m, var["query"]
+            selector, label = substitute(m.group(1)), m.group(2)
+            out = prom.get(f"/api/v1/label/{label}/values", **{"match[]": selector})
+            assert out["status"] == "success" and expected[label] in out["data"], (path.name, var["name"], out)
+            seen += 1
+    assert seen >= 6
+
+
+def values(result: list[dict]) -> dict[str, float]:
+    return {r["metric"].get("stage", ""): float(r["value"][1]) for r in result}
+
+
+def test_pipeline_panels_mean_what_they_say(prom, traffic):
+    """A few panels checked for their numbers, not just for being non-empty."""
+    board = {p["title"]: p for p in json.loads((CHART / "dashboards" / "pipeline.json").read_text())["panels"]}
+
+    def run(title, i=0):
+        return prom.query(substitute(board[title]["targets"][i]["expr"]))
+
+    assert [float(r["value"][1]) for r in run("Stages reporting")] == [2.0]
+    (bottleneck,) = run("Bottleneck stage (highest compute time per step)")
+    assert bottleneck["metric"]["stage"] in ("0", "1") and float(bottleneck["value"][1]) > 0
+    shares = values(run("Share of pipeline compute per stage"))
+    assert set(shares) == {"0", "1"} and abs(sum(shares.values()) - 1) < 1e-6
+    computing = values(run("Share of the step spent computing"))
+    assert all(0 < v <= 1.0001 for v in computing.values())
+    xfer = {(r["metric"]["stage"], r["metric"]["direction"]) for r in run("Transfer bytes/s")}
+    assert xfer == {("0", "send"), ("1", "recv")}  # stage 0 sends activations, the last stage receives
+    table = run("Stages: device, layers, CPU binding")
+    placement = {r["metric"]["stage_name"]: (r["metric"]["device"], r["metric"]["layers"], r["metric"]["cpus"])
+                 for r in table}
+    cpus = ["0", "1" if (os.cpu_count() or 1) > 1 else "0"]
+    assert placement == {"head": ("cpu", "0-0", cpus[0]), "tail": ("cpu", "1-3", cpus[1])}
+    kv = {r["metric"]["stage"]: float(r["value"][1]) for r in run("KV blocks used per stage", 1)}
+    assert set(kv) == {"0", "1"} and kv["0"] == kv["1"] > 0  # same block count on every stage
+
+
+def test_service_and_operator_panels_mean_what_they_say(prom, traffic):
+    svc = {p["title"]: p for p in json.loads((CHART / "dashboards" / "service.json").read_text())["panels"]}
+    bad_request(traffic.url)
+    http_4xx = substitute(svc["Errors/s"]["targets"][2]["expr"])
+    assert prom.wait_for(f"({http_4xx}) > 0", timeout=15), "the 404 is not on the 4xx error panel"
+    assert [float(r["value"][1]) for r in prom.query(substitute(svc["Errors/s"]["targets"][1]["expr"]))] == [0.0]
+    assert float(prom.query(substitute(svc["Output tokens/s"]["targets"][0]["expr"]))[0]["value"][1]) > 0
+    op = {p["title"]: p for p in json.loads((CHART / "dashboards" / "operator.json").read_text())["panels"]}
+    results = {r["metric"]["result"] for r in prom.query(substitute(op["Reconciles/s by result"]["targets"][0]["expr"]))}
+    assert results == {"ok", "error"}
+    handlers = {r["metric"].get("handler") for r in prom.query(substitute(op["Handler errors/s"]["targets"][0]["expr"]))}
+    assert "reconcile" in handlers
+    assert float(prom.query(op["Instances"]["targets"][0]["expr"])[0]["value"][1]) >= 1
+
+
+# ---------------------------------------------------------------- alerts
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def test_promtool_checks_the_rule_file():
+    out = subprocess.run([need("promtool"), "check", "rules", str(ALERTS)], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in out.stdout
+
+
+def test_every_alert_expression_evaluates(prom, traffic):
+    for rule in alert_rules():
+        out = prom.get("/api/v1/query", query=rule["expr"])
+        assert out["status"] == "success", (rule["alert"], out)
+    # Prometheus' own rule manager loaded the same file and evaluates every rule without error
+    deadline = time.monotonic() + 30
+    while True:
+        loaded = {r["name"]: r for g in prom.get("/api/v1/rules")["data"]["groups"] for r in g["rules"]}
+        if all(r.get("lastEvaluation", "").startswith("20") for r in loaded.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert set(loaded) == {r["alert"] for r in alert_rules()}
+    assert {n: (r["health"], r.get("lastError", "")) for n, r in loaded.items()} == \
+        {n: ("ok", "") for n in loaded}
+    # healthy pipeline: nothing about the pipeline or the service fires or is pending
+    quiet = ["HybridInferenceStageDown", "HybridInferencePipelineStalled", "HybridInferenceTTFTHigh",
+             "HybridInferenceKVCacheNearFull", "HybridInferenceRequestErrors"]
+    assert {n: loaded[n]["state"] for n in quiet} == {n: "inactive" for n in quiet}
+    # the reconcile error recorded while Prometheus watched makes the operator alert pending (for: 15m)
+    assert loaded["HybridInferenceOperatorReconcileErrors"]["state"] == "pending"
+
+
+def test_stage_down_alert_goes_pending_when_a_stage_dies(prom, traffic, pipeline):
+    """Last test of the module: stops the pipeline's last stage."""
+    assert len(traffic.stop()) >= 2  # every wave so far succeeded; no requests while the stage dies
+    rule = next(r for r in alert_rules() if r["alert"] == "HybridInferenceStageDown")
+    assert prom.query(rule["expr"]) == []
+    pipeline.procs[1].terminate()
+    pipeline.procs[1].wait(60)
+    down = prom.wait_for(rule["expr"], timeout=30)
+    assert {(r["metric"]["pipeline"], r["metric"]["stage"], r["metric"]["stage_name"]) for r in down} >= \
+        {(PIPELINE, "1", "tail")}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alerts = prom.get("/api/v1/alerts")["data"]["alerts"]
+        if any(a["labels"]["alertname"] == "HybridInferenceStageDown" and a["labels"].get("stage") == "1"
+               for a in alerts):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"StageDown not pending: {alerts}")
