@@ -66,15 +66,25 @@ def instance_body() -> dict:
                                 {"name": "cpu", "device": "cpu", "cpus": 16, "memory": "64Gi"}]}}
 
 
-async def operator_activity(ok: int, failing: int) -> None:
-    """`ok` reconciles against kmock, then `failing` ones through the kopf handler (API unreachable)."""
-    from hybrid_operator import handlers
-    from hybrid_operator.kube import KubeApi
-    from hybrid_operator.reconcile import reconcile
-    from hybrid_operator.settings import Settings
+class OperatorLoop(threading.Thread):
+    """The operator's resync: reconciles the instance every second against kmock's emulator."""
 
-    body = instance_body()
-    if ok:
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stopping, self.reconciles, self.error = threading.Event(), 0, None
+
+    def run(self):
+        try:
+            asyncio.run(self._main())
+        except Exception as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    async def _main(self):
+        from hybrid_operator.kube import KubeApi
+        from hybrid_operator.reconcile import reconcile
+        from hybrid_operator.settings import Settings
+
+        body = instance_body()
         async with kmock_lib.KubernetesEmulator() as km, kmock_lib.Server(km):
             for res, kind in RESOURCES.items():
                 km.resources[res] = kmock_lib.ResourceInfo(namespaced=True, kind=kind,
@@ -82,18 +92,32 @@ async def operator_activity(ok: int, failing: int) -> None:
             km.objects[HI, NAMESPACE, PIPELINE] = body
             api = KubeApi(str(km.url), retries=2, backoff_s=0.01)
             try:
-                for _ in range(ok):
+                while not self.stopping.is_set():
                     await reconcile(api, body, Settings(network_policy=True))
+                    self.reconciles += 1
+                    await asyncio.sleep(1)
             finally:
                 await api.close()
-    for _ in range(failing):
-        dead = KubeApi(f"http://127.0.0.1:{free_port()}", retries=0, backoff_s=0.01)
-        try:
-            with pytest.raises(Exception):  # noqa: B017 - any connection error
-                await handlers.reconcile_instance(body=body, memo=SimpleNamespace(api=dead, config=Settings()),
-                                                  logger=logging.getLogger("test"))
-        finally:
-            await dead.close()
+
+    def stop(self):
+        self.stopping.set()
+        self.join(30)
+        assert self.error is None and self.reconciles > 0, self.error
+
+
+async def failing_reconcile() -> None:
+    """One reconcile through the kopf handler with the API server unreachable."""
+    from hybrid_operator import handlers
+    from hybrid_operator.kube import KubeApi
+    from hybrid_operator.settings import Settings
+
+    dead = KubeApi(f"http://127.0.0.1:{free_port()}", retries=0, backoff_s=0.01)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - any connection error
+            await handlers.reconcile_instance(body=instance_body(), memo=SimpleNamespace(api=dead, config=Settings()),
+                                              logger=logging.getLogger("test"))
+    finally:
+        await dead.close()
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +125,10 @@ def operator_port():
     from hybrid_operator import metrics
     port = free_port()
     metrics.serve(port)  # what handlers.startup does with HYBRID_METRICS_PORT
-    asyncio.run(operator_activity(ok=2, failing=0))
-    return port
+    loop = OperatorLoop()
+    loop.start()
+    yield port
+    loop.stop()
 
 
 # ---------------------------------------------------------------- pipeline
@@ -235,7 +261,7 @@ def bad_request(url: str) -> None:
 def traffic(pipeline, prom):
     # a reconcile error the operator records while Prometheus watches (after it saw the count at 0)
     assert prom.wait_for('hybrid_operator_reconciles_total{result="error"} == 0', timeout=30)
-    asyncio.run(operator_activity(ok=0, failing=1))
+    asyncio.run(failing_reconcile())
     load = Traffic(pipeline.url)
     bad_request(pipeline.url)
     # rate() over 30s needs samples on both sides of the traffic: wait until every source shows it
@@ -276,11 +302,11 @@ def test_every_panel_query_returns_data(prom, traffic):
     empty, queried = [], 0
     for board, title, expr in panel_queries():
         q = substitute(expr)
-        result = prom.wait_for(q, timeout=10)  # a fresh 1s scrape may lag one evaluation
+        result = prom.wait_for(f"({q}) == ({q})", timeout=10)  # x == x drops NaN (e.g. 0/0) samples
         queried += 1
         if not result:
             empty.append(f"{board} / {title}: {q}")
-    assert queried == len(panel_queries()) and not empty, "panels without data:\n" + "\n".join(empty)
+    assert queried == len(panel_queries()) and not empty, "panels without (non-NaN) data:\n" + "\n".join(empty)
 
 
 def test_dashboard_variables_list_the_pipeline(prom, traffic):
