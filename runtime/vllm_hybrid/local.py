@@ -55,7 +55,9 @@ class LocalPipeline:
     def start_stage(self, stage: int) -> subprocess.Popen:
         env = {**os.environ, "HYBRID_MASTER_ADDR": "127.0.0.1", "HYBRID_HOST_IP": "127.0.0.1",
                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-               "HYBRID_METRICS_PORT": str(self.metrics_ports[stage]), **self.stage_envs[stage]}
+               "HYBRID_METRICS_PORT": str(self.metrics_ports[stage]),
+               # distinct per local pipeline: names its /dev/shm bookkeeping and its metrics
+               "HYBRID_INSTANCE": f"local-{self.plan['api_port']}", **self.stage_envs[stage]}
         out = open(self.workdir / f"stage-{stage}.log", "ab")
         cmd = [env.get("HYBRID_LAUNCHER_PYTHON", sys.executable), "-m", "vllm_hybrid.cli", "serve",
                "--plan", str(self.plan_path), "--stage", str(stage)]

@@ -161,9 +161,23 @@ def patch_worker_step_metrics(gpu_worker) -> None:
     APPLIED.append("Worker.execute_model(stage metrics)")
 
 
+def die_with_parent() -> None:
+    # Not an upstream function: every vLLM process (API server, engine core, workers) asks the
+    # kernel for SIGKILL when its parent dies. vLLM's workers otherwise outlive a killed parent while
+    # blocked in a pipeline receive, holding ports and memory; with this, a stage whose launcher is
+    # killed goes down as a whole, like a pod.
+    import ctypes
+    import signal
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the call above took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    APPLIED.append("die with parent")
+
+
 def apply_all() -> list[str]:
     if APPLIED:
         return APPLIED  # plugins may be loaded several times in one process
+    die_with_parent()
     from vllm.distributed import parallel_state
     from vllm.platforms import current_platform
 

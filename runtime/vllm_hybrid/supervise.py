@@ -7,6 +7,7 @@ exits non-zero, so Kubernetes (or the operator's group restart) re-forms the who
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import selectors
@@ -133,6 +134,89 @@ class Heartbeat:
         sock.close()
 
 
+def process_tree(root: int) -> set[int]:
+    """root and all its live descendants, from /proc parent links."""
+    parent = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[0] != "Z":
+            parent[int(pid)] = int(stat[1])
+    tree, frontier = set(), {root} & set(parent)
+    while frontier:
+        tree |= frontier
+        frontier = {p for p, pp in parent.items() if pp in frontier} - tree
+    return tree
+
+
+def shm_in_use(pids) -> set[str]:
+    """/dev/shm entries (segments, semaphores) that these processes map or hold open."""
+    names = set()
+    for pid in pids:
+        try:
+            for line in open(f"/proc/{pid}/maps"):
+                if "/dev/shm/" in line:
+                    names.add(line.split("/dev/shm/", 1)[1].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    names.add(target[9:].split()[0])
+        except OSError:
+            continue
+    return names
+
+
+class ShmJanitor:
+    """Removes the /dev/shm segments vLLM leaves behind when a stage dies hard.
+
+    vLLM's message queues and locks live in /dev/shm, which CPU and GPU pods of a replica share;
+    a SIGKILLed stage never unlinks them. The launcher records what its processes map (in a state
+    file beside them) and unlinks it when the stage ends, or at the next start after a hard kill.
+    """
+
+    def __init__(self, state: str, shm_dir: str = "/dev/shm"):
+        self.state, self.dir, self.owned = state, shm_dir, set()
+
+    def record(self, pids) -> None:
+        found = shm_in_use(pids) - self.owned - {os.path.basename(self.state)}
+        if found:
+            self.owned |= found
+            tmp = self.state + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(sorted(self.owned), f)
+            os.replace(tmp, self.state)
+
+    def cleanup(self, names=None) -> list[str]:
+        names = self.owned if names is None else names
+        busy = shm_in_use(int(p) for p in os.listdir("/proc") if p.isdigit())
+        removed = []
+        for name in sorted(set(names) - busy):  # never one a live process still maps
+            try:
+                os.unlink(os.path.join(self.dir, name))
+                removed.append(name)
+            except OSError:
+                pass
+        return removed
+
+    def cleanup_previous(self) -> list[str]:
+        try:
+            names = json.load(open(self.state))
+        except (OSError, ValueError):
+            return []
+        removed = self.cleanup(names)
+        os.unlink(self.state)
+        return removed
+
+    def finish(self) -> None:
+        self.cleanup()
+        try:
+            os.unlink(self.state)
+        except OSError:
+            pass
+
+
 def terminate_group(proc: subprocess.Popen, grace: float = TERM_GRACE_S) -> None:
     """SIGTERM the whole vLLM process group, SIGKILL what is left after `grace` seconds."""
     try:
@@ -161,20 +245,35 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None) -> int:
+def _die_with_parent() -> None:
+    """In the vLLM child: get SIGKILL if the launcher dies (a SIGKILLed launcher cannot clean up;
+    vLLM's engine and workers already exit when their parent does)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None,
+                   janitor: ShmJanitor | None = None) -> int:
     """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST."""
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    if janitor and (removed := janitor.cleanup_previous()):
+        log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     if heartbeat:
         heartbeat.start()
+    next_scan = 0.0
     try:
         while True:
+            if janitor and time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + 5
+                janitor.record(process_tree(proc.pid))
             code = proc.poll()
             if code is not None:
-                log.error("vLLM exited with code %s", code) if code else log.info("vLLM exited")
+                log.log(logging.ERROR if code else logging.INFO, "vLLM exited with code %s", code)
                 terminate_group(proc, grace=5)  # workers it left behind
-                return code if code else (1 if heartbeat and heartbeat.lost else 0)
+                return code
             if stopping.is_set():
                 log.info("termination requested: stopping vLLM")
                 terminate_group(proc)
@@ -185,6 +284,8 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
                 return EXIT_PEER_LOST
             stopping.wait(0.2)
     finally:
+        if janitor:
+            janitor.finish()
         if heartbeat:
             heartbeat.stop()
         for s, h in previous.items():
