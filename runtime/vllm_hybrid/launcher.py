@@ -71,7 +71,8 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
     if not stage.is_cpu:
         argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization)]
     if ident.stage == 0:
-        argv += ["--host", "0.0.0.0", "--port", str(plan.api_port)]
+        argv += ["--host", "0.0.0.0", "--port", str(plan.api_port),
+                 "--middleware", "vllm_hybrid.api_guard.RequestGuard"]
     else:
         argv += ["--headless"]
     return argv + list(plan.extra_args)

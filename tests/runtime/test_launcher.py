@@ -37,6 +37,7 @@ def test_head_stage_serves_api_on_gpu():
     assert flag(argv, "--node-rank") == "0" and flag(argv, "--nnodes") == "2"
     assert flag(argv, "--master-addr") == "x-gpu-2.x-peers" and flag(argv, "--master-port") == "29500"
     assert flag(argv, "--port") == "8000" and "--headless" not in argv
+    assert flag(argv, "--middleware") == "vllm_hybrid.api_guard.RequestGuard"
     assert flag(argv, "--gpu-memory-utilization") == "0.8"
     assert flag(argv, "--block-size") == "128" and flag(argv, "--max-num-seqs") == "64"
     assert "--no-async-scheduling" in argv and argv[-2:] == ["--seed", "7"]

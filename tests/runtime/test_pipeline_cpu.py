@@ -124,3 +124,107 @@ def test_every_stage_exports_pipeline_metrics(pipeline):
     # activations leave stage 0 and arrive at stage 1: the same bytes on both sides
     sent = metric(head, "hybrid_stage_transfer_bytes_total", direction="send")
     assert sent > 0 and sent == metric(tail, "hybrid_stage_transfer_bytes_total", direction="recv")
+
+
+LONG = "word " * 700  # > max_model_len (512) tokens
+BAD_REQUESTS = [
+    ("completions", b"{not json", "invalid JSON"),
+    ("completions", b"[1, 2, 3]", "JSON array body"),
+    ("completions", b"", "empty body"),
+    ("completions", b'{"model": "tiny", "prompt": "\xff\xfe\xfa"}', "invalid UTF-8"),
+    ("completions", {"model": "nope", "prompt": "hi"}, "unknown model"),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": -1}, "negative max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens wrong type"),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**9}, "huge max_tokens"),
+    ("completions", {"model": "tiny", "prompt": LONG, "max_tokens": 4}, "prompt longer than the model length"),
+    ("completions", {"model": "tiny", "prompt": {"a": 1}}, "prompt wrong type"),
+    ("completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "negative temperature"),
+    ("completions", {"model": "tiny", "prompt": "hi", "top_p": 2}, "top_p > 1"),
+    ("completions", {"model": "tiny", "prompt": "hi", "n": 0}, "n = 0"),
+    ("completions", {"model": "tiny", "prompt": "hi", "logprobs": 10**6}, "huge logprobs"),
+    ("completions", {"model": "tiny", "prompt": "hi", "stop": 5}, "stop wrong type"),
+    ("completions", {"model": "tiny", "prompt": "hi", "stream": {"on": 1}}, "stream wrong type"),
+    ("completions", b'"just a string"', "JSON scalar body"),
+    ("completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 50}, "presence_penalty out of range"),
+    ("completions", {"model": "tiny", "prompt": "hi", "seed": "abc"}, "seed wrong type"),
+    ("completions", {"model": "tiny", "prompt": [10**9]}, "token id beyond the vocabulary"),
+    ("chat/completions", {"model": "tiny", "messages": "hello"}, "messages not a list"),
+    ("chat/completions", {"model": "tiny", "messages": ["hi"]}, "message not an object"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 42}]}, "content wrong type"),
+    ("chat/completions", {"model": "tiny", "messages": []}, "no messages"),
+    ("completions", b'{"model": "tiny", "prompt": "' + b"x" * (64 << 20) + b'"}', "oversized body (64 MiB)"),
+]
+
+
+@pytest.mark.parametrize("path,body,what", BAD_REQUESTS, ids=[b[2] for b in BAD_REQUESTS])
+def test_bad_request_gets_4xx(pipeline, path, body, what):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{pipeline.url}/v1/{path}", content=content, headers={"Content-Type": "application/json"},
+                   timeout=120)
+    assert 400 <= r.status_code < 500, (what, r.status_code, r.text[:300])
+    assert pipeline.healthy()
+
+
+def test_still_serving_after_bad_input(pipeline):
+    r = post_json(pipeline.url + "/v1/completions", {"model": "tiny", "prompt": "fine", "max_tokens": 4})
+    assert r["usage"]["completion_tokens"] == 4
+
+
+LOAD_SECONDS = float(os.environ.get("HYBRID_LOAD_SECONDS", "300"))
+LOAD_CLIENTS = 32
+
+
+def stage_rss(pipe) -> int:
+    from vllm_hybrid.supervise import process_tree
+    total = 0
+    for p in pipe.procs:
+        for pid in process_tree(p.pid):
+            try:
+                total += int(open(f"/proc/{pid}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except OSError:
+                pass
+    return total
+
+
+def test_bounded_load_no_failures_flat_memory(pipeline):
+    """32 concurrent streaming clients on loopback for LOAD_SECONDS: no failed request, memory flat."""
+    import statistics
+    import threading
+    import time
+
+    from vllm_hybrid.loadgen import stream_completion
+
+    deadline = time.monotonic() + LOAD_SECONDS
+    results, failures, rss = [], [], []
+
+    def client(k):
+        i = 0
+        while time.monotonic() < deadline:
+            try:
+                results.append(stream_completion(pipeline.url, "tiny", f"client {k} request {i} pipeline", 64))
+            except Exception as e:  # noqa: BLE001 - counted, then asserted on
+                failures.append(repr(e))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(LOAD_CLIENTS)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        rss.append(stage_rss(pipeline))
+        time.sleep(5)
+    for t in threads:
+        t.join()
+    e2e = sorted(r["e2e"] for r in results)
+    ttft = sorted(r["ttft"] for r in results)
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    warm = rss[len(rss) // 4] if len(rss) > 4 else rss[0]
+    report = {"clients": LOAD_CLIENTS, "seconds": LOAD_SECONDS, "requests": len(results), "failed": len(failures),
+              "tokens": sum(r["tokens"] for r in results),
+              "ttft_s": {"p50": q(ttft, .5), "p90": q(ttft, .9), "p99": q(ttft, .99)},
+              "e2e_s": {"p50": q(e2e, .5), "p90": q(e2e, .9), "p99": q(e2e, .99), "mean": statistics.mean(e2e)},
+              "rss_mib": {"after_warmup": warm >> 20, "end": rss[-1] >> 20, "max": max(rss) >> 20}}
+    (pipeline.workdir / "load.json").write_text(json.dumps(report, indent=1))
+    print("load:", json.dumps(report))
+    assert failures == [] and len(results) >= LOAD_CLIENTS
+    assert all(r["tokens"] == 64 for r in results)
+    assert rss[-1] <= warm * 1.10, report["rss_mib"]  # flat: < 10% growth after warm-up
