@@ -1,0 +1,123 @@
+"""Side-by-side benchmark on the GPU machine (issue: performance), one lease, Llama-3.1-8B shape,
+dummy bf16 weights:
+  (a) all layers on the GPU (ceiling)
+  (b) vLLM --cpu-offload-gb holding the layers the CPU stage would hold (V1 runner, so it works)
+  (c) our pipeline: 16 layers on a GPU stage + 16 on a CPU stage, GPU first (c-gpu-first) or last
+Concurrency waves of 128-token prompts x 128 output tokens, TTFT at 1k/4k prompt tokens, and the
+box's DRAM read bandwidth. Usage (see bench/run.sh): python bench/gpu_bench.py CONFIG [CONFIG...]
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from vllm_hybrid.loadgen import token_prompts, wave
+from vllm_hybrid.local import LocalPipeline, free_port, local_ports
+from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model
+
+OUT = Path(os.environ.get("HYBRID_BENCH_OUT", "bench/results"))
+GPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_GPU_PYTHONPATH", ""), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+CPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_CPU_PYTHONPATH", ""), "HYBRID_SYSTEM_MEMORY_CHECK": "1"}
+CONCURRENCY = [int(c) for c in os.environ.get("HYBRID_BENCH_CONCURRENCY", "1,4,16,64").split(",")]
+SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64, max_num_batched_tokens=4096)
+VOCAB = LLAMA_3_1_8B["vocab_size"]
+OFFLOAD_GIB = 6.5  # = decoder layers 16-31 of the 8B shape in bf16 (16 x 0.406 GiB)
+
+
+def dram_read_gbs(threads: int = 15) -> float:
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(2 << 30 >> 2, dtype=torch.float32)  # 2 GiB
+    x.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    return round(5 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9, 1)
+
+
+def drive(url: str, model: str) -> dict:
+    waves = [wave(url, model, token_prompts(c, 128, VOCAB, seed=1000 * c), 128) for c in CONCURRENCY]
+    ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in (1024, 4096)}
+    return {"waves": waves, "ttft_s": ttft}
+
+
+class PlainVllm:
+    """One `vllm serve` process without the plugin: the reference configurations (a) and (b)."""
+
+    def __init__(self, model, extra, env):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "vllm_hybrid.vllm_entry", "serve", str(model), "--served-model-name", "m",
+                "--load-format", "dummy", "--dtype", "bfloat16", "--port", str(self.port),
+                "--gpu-memory-utilization", "0.85", *[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()], *extra]
+        self.log = open(OUT / f"plain-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout=600):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm exited {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return time.monotonic() - t0
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def run_plain(model, extra, env):
+    server = PlainVllm(model, extra, env)
+    try:
+        ready = server.wait_ready()
+        return {"ready_s": round(ready, 1), **drive(server.url, "m")}
+    finally:
+        server.stop()
+
+
+def run_pipeline(model, gpu_first: bool):
+    gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
+    cpu = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "16Gi"}
+    stages = [gpu, cpu] if gpu_first else [cpu, gpu]
+    plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
+            "stages": stages, **SHAPE, **local_ports()}
+    envs = [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": "1-15"} for s in stages]
+    with LocalPipeline(plan, OUT / f"pipeline-{'gpu' if gpu_first else 'cpu'}-first", envs) as pipe:
+        ready = pipe.wait_ready(timeout=600)
+        return {"ready_s": round(ready, 1), **drive(pipe.url, "m")}
+
+
+CONFIGS = {
+    "a-all-gpu": lambda m: run_plain(m, [], GPU_ENV),
+    "b-offload": lambda m: run_plain(m, [f"--cpu-offload-gb={OFFLOAD_GIB}"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
+    "c-gpu-first": lambda m: run_pipeline(m, True),
+    "c-cpu-first": lambda m: run_pipeline(m, False),
+}
+
+
+def main(names):
+    OUT.mkdir(parents=True, exist_ok=True)
+    model = make_shaped_model(OUT / "model-llama-3.1-8b-shape", LLAMA_3_1_8B)
+    results_path = OUT / "gpu_bench.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results.setdefault("dram_read_gbs", dram_read_gbs())
+    for name in names:
+        t0 = time.monotonic()
+        try:
+            results[name] = CONFIGS[name](model)
+        except Exception as e:  # noqa: BLE001 - keep what the other configurations measured
+            results[name] = {"error": repr(e)}
+        results[name]["wall_s"] = round(time.monotonic() - t0, 1)
+        results_path.write_text(json.dumps(results, indent=1))
+        print(name, json.dumps(results[name])[:2000], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(CONFIGS))
