@@ -116,6 +116,29 @@ def patch_pp_recv_to_device(parallel_state) -> None:
     APPLIED.append("GroupCoordinator.irecv_tensor_dict(pp: host -> device)")
 
 
+def patch_pad_received_activations(gpu_model_runner) -> None:
+    # vllm.v1.worker.gpu_model_runner.GPUModelRunner.sync_and_gather_intermediate_tensors: a CUDA
+    # stage pads each batch to a CUDA-graph size (3 tokens -> 4) and copies that many rows of the
+    # received activations; a CPU stage before it sends the unpadded batch, so the copy fails
+    # ("size of tensor a (4) must match ... (3)"). Pad what arrived with zero rows; padded
+    # positions' outputs are discarded anyway.
+    cls = gpu_model_runner.GPUModelRunner
+    original = cls.sync_and_gather_intermediate_tensors
+
+    @functools.wraps(original)
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors, sync_self):
+        if sync_self and intermediate_tensors is not None:
+            import torch
+            for k, v in list(intermediate_tensors.tensors.items()):
+                if v.shape[0] < num_tokens:
+                    pad = v.new_zeros((num_tokens - v.shape[0], *v.shape[1:]))
+                    intermediate_tensors.tensors[k] = torch.cat([v, pad])
+        return original(self, num_tokens, intermediate_tensors, sync_self)
+
+    cls.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
+    APPLIED.append("GPUModelRunner.sync_and_gather_intermediate_tensors(pad short batches)")
+
+
 def patch_cpu_kv_memory_check() -> None:
     # vllm.v1.worker.cpu_worker.get_memory_node_info (from vllm.utils.cpu_resource_utils): the
     # KV-cache request is checked against the NUMA node's free memory. Some VMs report a synthetic,
@@ -185,8 +208,9 @@ def apply_all() -> list[str]:
     patch_pp_group_without_device_communicator(parallel_state)
     patch_pp_send_via_host(parallel_state)
     patch_pp_recv_to_device(parallel_state)
-    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker import gpu_model_runner, gpu_worker
     patch_worker_step_metrics(gpu_worker)
+    patch_pad_received_activations(gpu_model_runner)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     from vllm.logger import init_logger
