@@ -18,7 +18,7 @@ def main(path="bench/results/gpu_bench.json"):
         rows.append(f"| {c} | " + " | ".join(str(vals[k]) for k in configs) + f" | {ratio} |")
     for n in ("1024", "4096"):
         rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | |")
-    rows.append(f"| ready (s) | " + " | ".join(str(r[k]["ready_s"]) for k in configs) + " | |")
+    rows.append("| ready (s) | " + " | ".join(str(r[k]["ready_s"]) for k in configs) + " | |")
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {r.get('dram_read_gbs')} GB/s\n"
     path.with_suffix(".md").write_text(md)
     try:

@@ -43,7 +43,7 @@ def stage_binding(plan, ident, env):
 
 
 def build_stage(args, env: dict[str, str]):
-    from .launcher import identity_from_env, resolved_summary, vllm_command, vllm_env, numactl_prefix, which
+    from .launcher import identity_from_env, numactl_prefix, resolved_summary, vllm_command, vllm_env, which
     plan = load_plan(args.plan)
     ident = identity_from_env(env, args.stage, args.replica)
     if not 0 <= ident.stage < len(plan.stages):

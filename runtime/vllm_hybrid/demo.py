@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from .local import LocalPipeline, local_ports, post_json
-from .planner import model_shape, read_model_config, split_layers
 from .plan import plan_from_dict
+from .planner import model_shape, read_model_config, split_layers
 from .tinymodel import make_tiny_llama
 
 

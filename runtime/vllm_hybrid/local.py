@@ -64,7 +64,7 @@ class LocalPipeline:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return proc
 
-    def start(self) -> "LocalPipeline":
+    def start(self) -> LocalPipeline:
         # headless stages first: they wait for stage 0's rendezvous
         self.procs = [None] * len(self.plan["stages"])  # type: ignore[list-item]
         for i in reversed(range(len(self.procs))):

@@ -115,7 +115,7 @@ class Heartbeat:
                     self.lost = "stage 0 closed its heartbeat"
                     break
                 last_seen = time.monotonic()
-            except socket.timeout:
+            except TimeoutError:
                 pass
             except OSError as e:
                 self.lost = f"stage 0 heartbeat failed: {e}"

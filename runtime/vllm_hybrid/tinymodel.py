@@ -8,9 +8,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-_WORDS = ("the pipeline stage layer cache token model memory thread core node pod gpu cpu fast slow "
-          "request answer question hello world serve batch prompt sequence kernel tensor graph split "
-          "one two three four five six seven eight nine ten red green blue small large first last").split()
+_WORDS = ["the", "pipeline", "stage", "layer", "cache", "token", "model", "memory", "thread", "core", "node", "pod", "gpu", "cpu", "fast", "slow", "request", "answer", "question", "hello", "world", "serve", "batch", "prompt", "sequence", "kernel", "tensor", "graph", "split", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "red", "green", "blue", "small", "large", "first", "last"]
 
 
 def _corpus(n: int = 2000) -> list[str]:

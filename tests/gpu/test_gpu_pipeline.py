@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, local_ports, post_json
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model, make_tiny_llama

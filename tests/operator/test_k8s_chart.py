@@ -158,7 +158,7 @@ def test_dashboards_are_valid_grafana_json():
         for p in panels:
             assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert p["targets"] and all(t["expr"].strip() for t in p["targets"])
-            assert 0 <= p["gridPos"]["x"] and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+            assert p["gridPos"]["x"] >= 0 and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
 
 
 def test_prometheus_rule_is_optional_and_carries_the_rule_file():

@@ -1,5 +1,4 @@
 import pytest
-
 from vllm_hybrid.tinymodel import make_tiny_llama
 
 

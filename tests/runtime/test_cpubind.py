@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from vllm_hybrid.cpubind import allowed_cpus, format_cpulist, numa_nodes, parse_cpulist, plan_binding
 
 

@@ -4,13 +4,12 @@ import sys
 
 import pytest
 import yaml
-
+from test_planner import LLAMA_8B
 from vllm_hybrid.cpubind import plan_binding
 from vllm_hybrid.launcher import identity_from_env, numactl_prefix, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.plugin import UnsupportedVllmVersion, check_vllm_version
-from test_planner import LLAMA_8B
 
 PLAN = {"model": "/models/llama", "served_model_name": "llama", "dtype": "bfloat16", "max_model_len": 8192,
         "api_port": 8000, "master_port": 29500, "extra_args": ["--seed", "7"],

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from vllm_hybrid.local import LocalPipeline, local_ports, post_json
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,4 @@
 import pytest
-
 from vllm_hybrid.plan import PlanError, load_plan, parse_quantity, plan_from_dict, plan_to_dict
 
 

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import GiB, model_shape, read_model_config, split_layers
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
+from test_pipeline_cpu import CPU_ENVS, plan_for
 from vllm_hybrid.local import LocalPipeline, local_ports
 from vllm_hybrid.supervise import shm_in_use
-from test_pipeline_cpu import CPU_ENVS, plan_for
 
 pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("HYBRID_FAILURE_ROUNDS", "5"))
