@@ -15,7 +15,7 @@ import httpx
 import pytest
 from test_pipeline_cpu import CPU_ENVS, plan_for
 from vllm_hybrid.local import LocalPipeline, local_ports
-from vllm_hybrid.supervise import shm_in_use
+from vllm_hybrid.supervise import process_tree, shm_in_use
 
 pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("HYBRID_FAILURE_ROUNDS", "5"))
@@ -31,22 +31,6 @@ def unmapped_shm() -> set[str]:
     """New /dev/shm entries no live process maps: leaks (other programs' live segments don't count)."""
     in_use = shm_in_use(int(p) for p in os.listdir("/proc") if p.isdigit())
     return {n for n in os.listdir("/dev/shm") if not n.startswith(".hybrid-")} - PRE_EXISTING - in_use
-
-
-def descendants(root: int) -> set[int]:
-    """root and every process below it (through /proc ppid links), zombies excluded."""
-    parent, state = {}, {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(pid)], state[int(pid)] = int(stat[1]), stat[0]
-    out, frontier = set(), {root}
-    while frontier:
-        out |= frontier
-        frontier = {p for p, pp in parent.items() if pp in frontier} - out
-    return {p for p in out if p in state and state[p] != "Z"}
 
 
 def alive(pids) -> set[int]:
@@ -105,7 +89,7 @@ def test_stage_failure_rounds(pipe):
             t.start()
         time.sleep(3)
         assert pipe.healthy()
-        stage_pids = [descendants(p.pid) for p in pipe.procs]
+        stage_pids = [process_tree(p.pid) for p in pipe.procs]
         t_kill = time.monotonic()
         os.killpg(pipe.procs[1].pid, signal.SIGKILL)  # the launcher dies hard: its vLLM must follow
         for t in threads:
@@ -124,7 +108,7 @@ def test_stage_failure_rounds(pipe):
         r = httpx.post(pipe.url + "/v1/completions", json={"model": "tiny", "prompt": "again", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         # 3) stage 0 dies -> the headless stage exits by itself
-        stage_pids += [descendants(p.pid) for p in pipe.procs]
+        stage_pids += [process_tree(p.pid) for p in pipe.procs]
         t_kill0 = time.monotonic()
         os.killpg(pipe.procs[0].pid, signal.SIGKILL)
         assert pipe.procs[1].wait(30) is not None
@@ -151,7 +135,7 @@ def test_stage_failure_rounds(pipe):
 
 def test_nothing_left_behind(pipe):
     """After the last (clean) stop, no process of ours and no unmapped /dev/shm entry is left."""
-    pids = set().union(*(descendants(p.pid) for p in pipe.procs))
+    pids = set().union(*(process_tree(p.pid) for p in pipe.procs))
     pipe.stop()
     assert not alive(pids)
     leaked = sorted(unmapped_shm())
