@@ -39,7 +39,12 @@ def stage_binding(plan, ident, env):
         log.warning("cpuset has %d CPUs but stage %s asks for %d: binding to the first %d",
                     len(cpus), stage.name, stage.cpus, stage.cpus)
         cpus = cpus[: stage.cpus]
-    return plan_binding(cpus, numa_nodes(), stage.tensor_parallel)
+    node = env.get("HYBRID_NUMA_NODE")
+    try:
+        return plan_binding(cpus, numa_nodes(), stage.tensor_parallel,
+                            numa_node=int(node) if node not in (None, "") else None)
+    except ValueError as e:
+        raise PlanError(f"stages[{ident.stage}] ({stage.name}): {e}") from e
 
 
 def build_stage(args, env: dict[str, str]):

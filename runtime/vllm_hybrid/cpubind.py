@@ -79,9 +79,18 @@ class CpuBinding:
 
 
 def plan_binding(cpus: list[int], nodes: dict[int, list[int]], tensor_parallel: int = 1,
-                 reserve: int | None = None) -> CpuBinding:
+                 reserve: int | None = None, numa_node: int | None = None) -> CpuBinding:
     """Split the container's CPUs into one OpenMP group per TP rank, each inside one NUMA node
-    where possible, leaving `reserve` CPUs (default: one from 4 CPUs up) for the engine process."""
+    where possible, leaving `reserve` CPUs (default: one from 4 CPUs up) for the engine process.
+    `numa_node` (the spec's numaNode) keeps threads and memory on that node."""
+    if numa_node is not None and nodes:  # no NUMA info in sysfs: one node, nothing to pin
+        if numa_node not in nodes:
+            raise ValueError(f"numaNode {numa_node}: this host has NUMA nodes {sorted(nodes)}")
+        on_node = [c for c in cpus if c in set(nodes[numa_node])]
+        if not on_node:
+            raise ValueError(f"numaNode {numa_node}: none of this container's CPUs {format_cpulist(cpus)} is on it")
+        b = plan_binding(on_node, {numa_node: nodes[numa_node]}, tensor_parallel, reserve)
+        return CpuBinding(b.omp_bind, b.threads_per_rank, numa_node if len(nodes) > 1 else None, cpus)
     if not cpus:
         raise ValueError("no CPUs available to this container")
     node_of = {c: n for n, cs in nodes.items() for c in cs}

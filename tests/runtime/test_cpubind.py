@@ -55,3 +55,15 @@ def test_binding_tensor_parallel_groups():
     assert b.omp_bind == "0-7|8-15" and b.threads_per_rank == 8
     with pytest.raises(ValueError, match="cannot host 4"):
         plan_binding([0, 1], {}, tensor_parallel=4)
+
+
+def test_binding_pinned_to_the_specs_numa_node():
+    nodes = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    b = plan_binding(list(range(8)), nodes, numa_node=0)
+    assert (b.omp_bind, b.numa_node) == ("0-2", 0)
+    assert plan_binding(list(range(8)), nodes, numa_node=1).omp_bind == "4-6"
+    assert plan_binding([0, 1], {}, numa_node=0).omp_bind == "0-1"  # no NUMA info: nothing to pin
+    with pytest.raises(ValueError, match="numaNode 1: none of this container's CPUs 0-3 is on it"):
+        plan_binding([0, 1, 2, 3], nodes, numa_node=1)
+    with pytest.raises(ValueError, match="numaNode 2: this host has NUMA nodes"):
+        plan_binding([0, 1], nodes, numa_node=2)
