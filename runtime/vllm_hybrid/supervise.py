@@ -7,6 +7,7 @@ exits non-zero, so Kubernetes (or the operator's group restart) re-forms the who
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -217,32 +218,50 @@ class ShmJanitor:
             pass
 
 
-def terminate_group(proc: subprocess.Popen, grace: float = TERM_GRACE_S) -> None:
-    """SIGTERM the whole vLLM process group, SIGKILL what is left after `grace` seconds."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
+def group_members(pgid: int) -> dict[int, bool]:
+    """Live processes of a process group -> whether each is a multiprocessing resource tracker."""
+    members = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            if int(stat[2]) != pgid or stat[0] == "Z":
+                continue
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        members[int(pid)] = b"resource_tracker" in cmdline
+    return members
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None and not _group_alive(proc.pid):
-            return
+        if predicate():
+            return True
         time.sleep(0.2)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return predicate()
+
+
+def terminate_group(proc: subprocess.Popen, grace: float = TERM_GRACE_S) -> None:
+    """SIGTERM the whole vLLM process group, SIGKILL what is left after `grace` seconds.
+
+    Python's resource trackers are spared the first SIGKILL: they ignore SIGTERM and unlink the
+    shared-memory segments and semaphores of their (now dead) clients once those are gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    workers_gone = lambda: proc.poll() is not None and not any(  # noqa: E731
+        not tracker for tracker in group_members(proc.pid).values())
+    if not _wait_until(workers_gone, grace):
+        _kill(pid for pid, tracker in group_members(proc.pid).items() if not tracker)
     proc.wait()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    if not _wait_until(lambda: not group_members(proc.pid), 5):
+        _kill(group_members(proc.pid))
 
 
 def _die_with_parent() -> None:

@@ -15,7 +15,7 @@ from vllm_hybrid.local import LocalPipeline, local_ports, post_json
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model, make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
-from test_pipeline_cpu import MAX_TOKENS, PROMPTS, reference  # noqa: E402
+from pipelines import MAX_TOKENS, PROMPTS, reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 GPU_PATH, CPU_PATH = os.environ.get("HYBRID_GPU_PYTHONPATH"), os.environ.get("HYBRID_CPU_PYTHONPATH")

@@ -1,4 +1,5 @@
 import pytest
+from pipelines import MAX_TOKENS, PROMPTS, reference
 from vllm_hybrid.tinymodel import make_tiny_llama
 
 
@@ -6,3 +7,9 @@ from vllm_hybrid.tinymodel import make_tiny_llama
 def tiny_llama(tmp_path_factory):
     """4-layer random Llama in float32 (GPU and CPU kernels agree exactly only in float32)."""
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", layers=4, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def reference_ids(tiny_llama):
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return [r["ids"] for r in reference(tiny_llama, PROMPTS, MAX_TOKENS, env=env)]

@@ -2,49 +2,14 @@
 the greedy tokens of single-process vLLM on the same weights; streaming chat and /metrics work."""
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import urllib.request
-from pathlib import Path
 
 import httpx
 import pytest
-from vllm_hybrid.local import LocalPipeline, local_ports, post_json
+from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, plan_for
+from vllm_hybrid.local import LocalPipeline, post_json
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["Hello pipeline", "The first stage holds one layer and the second", "gpu cpu node pod",
-           "One two three four five six seven eight nine ten"]
-MAX_TOKENS = 40
-
-
-def plan_for(model, **over):
-    plan = {"model": str(model), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
-            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512,
-            "extra_args": ["--enforce-eager"], **local_ports(),
-            "stages": [{"name": "head", "device": "cpu", "layers": 1, "cpus": 1, "memory": "4Gi"},
-                       {"name": "tail", "device": "cpu", "layers": 3, "cpus": 1, "memory": "4Gi"}]}
-    plan.update(over)
-    return plan
-
-
-CPU_ENVS = [{"HYBRID_CPUS": "0"}, {"HYBRID_CPUS": "1" if (os.cpu_count() or 1) > 1 else "0"}]
-
-
-def reference(model, prompts, max_tokens, dtype="float32", env=None, python=sys.executable, **extra):
-    """Greedy outputs of single-process vLLM (tests/reference_generate.py) in a subprocess."""
-    work = Path(tempfile.mkdtemp())
-    spec = {"model": str(model), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
-    (work / "spec.json").write_text(json.dumps(spec))
-    subprocess.run([python, str(Path(__file__).parents[1] / "reference_generate.py"), str(work / "spec.json"),
-                    str(work / "out.json")], env={**os.environ, **(env or {})}, check=True, timeout=900)
-    return json.loads((work / "out.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def reference_ids(tiny_llama):
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    return [r["ids"] for r in reference(tiny_llama, PROMPTS, MAX_TOKENS, env=env)]
 
 
 @pytest.fixture(scope="module")

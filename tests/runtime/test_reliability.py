@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_pipeline_cpu import CPU_ENVS, plan_for
+from pipelines import CPU_ENVS, plan_for
 from vllm_hybrid.local import LocalPipeline, local_ports
 from vllm_hybrid.supervise import process_tree, shm_in_use
 

@@ -1,0 +1,36 @@
+"""Shared by the CPU pipeline tests (and tests/gpu): prompts, a 2-stage plan, the vLLM reference."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from vllm_hybrid.local import local_ports
+
+PROMPTS = ["Hello pipeline", "The first stage holds one layer and the second", "gpu cpu node pod",
+           "One two three four five six seven eight nine ten"]
+MAX_TOKENS = 40
+
+
+def plan_for(model, **over):
+    plan = {"model": str(model), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+            "extra_args": ["--enforce-eager"], **local_ports(),
+            "stages": [{"name": "head", "device": "cpu", "layers": 1, "cpus": 1, "memory": "4Gi"},
+                       {"name": "tail", "device": "cpu", "layers": 3, "cpus": 1, "memory": "4Gi"}]}
+    plan.update(over)
+    return plan
+
+
+CPU_ENVS = [{"HYBRID_CPUS": "0"}, {"HYBRID_CPUS": "1" if (os.cpu_count() or 1) > 1 else "0"}]
+
+
+def reference(model, prompts, max_tokens, dtype="float32", env=None, python=sys.executable, **extra):
+    """Greedy outputs of single-process vLLM (tests/reference_generate.py) in a subprocess."""
+    work = Path(tempfile.mkdtemp())
+    spec = {"model": str(model), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
+    (work / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([python, str(Path(__file__).parents[1] / "reference_generate.py"), str(work / "spec.json"),
+                    str(work / "out.json")], env={**os.environ, **(env or {})}, check=True, timeout=900)
+    return json.loads((work / "out.json").read_text())
