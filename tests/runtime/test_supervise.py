@@ -7,6 +7,7 @@ import textwrap
 import time
 
 from vllm_hybrid.local import free_port
+from vllm_hybrid.supervise import group_members, process_tree
 
 # A stand-in for vLLM: a process that starts a grandchild and sleeps (like API server + workers).
 CHILD = [sys.executable, "-c", "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(600)']); time.sleep(600)"]
@@ -33,34 +34,16 @@ def wait_connected(proc, needle="stage 1 connected", timeout=20):
 
 def group_gone(pgid, timeout=10):
     """No live (non-zombie) process left in the process group."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[2]) == pgid and stat[0] != "Z":
-                alive.append(pid)
-        if not alive:
-            return True
+    deadline = time.monotonic() + timeout
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return False
+    return not group_members(pgid)
 
 
-def descendants_gone(proc):
-    """The launcher's vLLM stand-in runs in its own session; find it through /proc and check it ended."""
-    children = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                stat = open(f"/proc/{pid}/stat").read().split()
-            except OSError:
-                continue
-            if int(stat[3]) == proc.pid:
-                children.append(int(pid))
-    return children
+def children(proc):
+    """The launcher's direct children: its vLLM stand-in, which leads a process group of its own."""
+    return [pid for pid in process_tree(proc.pid) - {proc.pid}
+            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == proc.pid]
 
 
 def test_stage0_exits_nonzero_when_peer_dies():
@@ -68,7 +51,7 @@ def test_stage0_exits_nonzero_when_peer_dies():
     head, peer = launcher(0, port), launcher(1, port)
     try:
         wait_connected(head)
-        kids = descendants_gone(head)
+        kids = children(head)
         t0 = time.monotonic()
         os.killpg(peer.pid, signal.SIGKILL)  # the whole peer pod dies
         assert head.wait(30) == 75
@@ -85,7 +68,7 @@ def test_headless_stage_exits_when_stage0_goes():
     head, peer = launcher(0, port), launcher(1, port)
     try:
         wait_connected(head)
-        kids = descendants_gone(peer)
+        kids = children(peer)
         os.killpg(head.pid, signal.SIGKILL)
         assert peer.wait(30) == 75
         assert all(group_gone(k) for k in kids)
@@ -103,7 +86,7 @@ def test_sigterm_ends_every_process_of_the_stage():
     head = launcher(0, port, stubborn)
     try:
         time.sleep(2)
-        kids = descendants_gone(head)
+        kids = children(head)
         assert kids
         t0 = time.monotonic()
         head.send_signal(signal.SIGTERM)
