@@ -139,6 +139,40 @@ def patch_pad_received_activations(gpu_model_runner) -> None:
     APPLIED.append("GPUModelRunner.sync_and_gather_intermediate_tensors(pad short batches)")
 
 
+def patch_response_queue_locality(multiproc_executor) -> None:
+    # vllm.v1.executor.multiproc_executor.WorkerProc._init_message_queues: with nnodes > 1 each
+    # worker's response queue comes from MessageQueue.create_from_process_group_single_reader,
+    # which counts a node as current_platform.device_count() ranks. That is 1 on a CPU stage, so
+    # with tensor parallelism the head's local TP ranks look remote, get no local queue, and the
+    # executor fails (`assert local_message_queue is not None`). A node is local_world_size ranks
+    # (the stage's TP size, the same on every stage); tell that function so for this one call.
+    from vllm.distributed.device_communicators import shm_broadcast
+    cls = multiproc_executor.WorkerProc
+    original = cls._init_message_queues
+
+    class _NodeSized:
+        def __init__(self, platform, ranks_per_node):
+            self._platform, self._ranks_per_node = platform, ranks_per_node
+
+        def device_count(self):
+            return self._ranks_per_node
+
+        def __getattr__(self, name):
+            return getattr(self._platform, name)
+
+    @functools.wraps(original)
+    def _init_message_queues(self, input_shm_handle, vllm_config):
+        platform = shm_broadcast.current_platform
+        shm_broadcast.current_platform = _NodeSized(platform, vllm_config.parallel_config.local_world_size)
+        try:
+            return original(self, input_shm_handle, vllm_config)
+        finally:
+            shm_broadcast.current_platform = platform
+
+    cls._init_message_queues = _init_message_queues
+    APPLIED.append("WorkerProc._init_message_queues(node = local_world_size ranks)")
+
+
 def patch_cpu_kv_memory_check() -> None:
     # vllm.v1.worker.cpu_worker.get_memory_node_info (from vllm.utils.cpu_resource_utils): the
     # KV-cache request is checked against the NUMA node's free memory. Some VMs report a synthetic,
@@ -208,7 +242,9 @@ def apply_all() -> list[str]:
     patch_pp_group_without_device_communicator(parallel_state)
     patch_pp_send_via_host(parallel_state)
     patch_pp_recv_to_device(parallel_state)
+    from vllm.v1.executor import multiproc_executor
     from vllm.v1.worker import gpu_model_runner, gpu_worker
+    patch_response_queue_locality(multiproc_executor)
     patch_worker_step_metrics(gpu_worker)
     patch_pad_received_activations(gpu_model_runner)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":

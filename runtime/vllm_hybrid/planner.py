@@ -144,6 +144,13 @@ def stage_budget(stage: Stage, gpu_memory_bytes: int | None) -> int:
     return per_rank * stage.tensor_parallel
 
 
+def _budget_note(stage: Stage) -> str:
+    if stage.is_cpu:
+        return f"memory {stage.memory_bytes / GiB:.2f} GiB minus {CPU_RUNTIME_RESERVE / GiB:.0f} GiB for the runtime"
+    return (f"gpu_memory_utilization {stage.gpu_memory_utilization} of each GPU minus "
+            f"{GPU_RUNTIME_RESERVE / GiB:.0f} GiB per GPU for the runtime")
+
+
 def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
     """Embedding on the first stage; final norm + LM head on the last (a copy, even if tied)."""
     fixed = shape.embedding_bytes if index == 0 else 0
@@ -179,7 +186,8 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
             raise PlanError(
                 f"stages[{i}] ({s.name}): does not fit: {count} layers need {need / GiB:.2f} GiB "
                 f"(weights {weights / GiB:.2f} GiB + KV for one {plan.max_model_len}-token sequence "
-                f"{count * min_kv_per_layer / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB")
+                f"{count * min_kv_per_layer / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB "
+                f"({_budget_note(s)})")
         kv = max(0, kv)
         stages.append(StagePlan(s, i, first, count, weights, budget or 0, kv,
                                 kv // (count * shape.kv_bytes_per_token_per_layer)))

@@ -65,8 +65,9 @@ def test_refuses_when_it_does_not_fit():
     with pytest.raises(PlanError, match="does not fit: 32 layers"):
         split_layers(p, model_shape(LLAMA_8B))
     p = plan([{"name": "g", "device": "gpu", "layers": 2}, {"name": "c", "device": "cpu", "layers": 30, "cpus": 8, "memory": "8Gi"}])
-    with pytest.raises(PlanError, match=r"stages\[1\] \(c\): does not fit"):
+    with pytest.raises(PlanError, match=r"stages\[1\] \(c\): does not fit") as err:
         split_layers(p, model_shape(LLAMA_8B))
+    assert "budget is 5.00 GiB (memory 8.00 GiB minus 3 GiB for the runtime)" in str(err.value)
 
 
 def test_gpu_memory_needed_without_explicit_layers():

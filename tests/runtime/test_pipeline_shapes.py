@@ -1,0 +1,54 @@
+"""Other pipeline shapes give exactly the greedy tokens of single-process vLLM on the same weights:
+tensor parallelism inside every stage (2 stages x TP 2, four CPU workers) and three stages."""
+import json
+import os
+
+import pytest
+from pipelines import MAX_TOKENS, PROMPTS, plan_for
+from vllm_hybrid.local import LocalPipeline, post_json
+
+pytestmark = pytest.mark.slow
+
+
+def complete(pipe, prompt):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    return post_json(pipe.url + "/v1/completions", body)["choices"][0]["token_ids"]
+
+
+def resolved(log):
+    return json.loads(log.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
+
+
+def test_tp2_per_stage_matches_single_process(tiny_llama, reference_ids, tmp_path):
+    plan = plan_for(tiny_llama)
+    for stage in plan["stages"]:
+        stage.update(tensor_parallel=2, cpus=2)
+    pipe = LocalPipeline(plan, tmp_path, [{"HYBRID_CPUS": "0-1"}, {"HYBRID_CPUS": "0-1"}]).start()
+    try:
+        pipe.wait_ready()
+        got = [complete(pipe, p) for p in PROMPTS]
+        logs = [pipe.log(i) for i in (0, 1)]
+    finally:
+        pipe.stop()
+    # four workers ran, one per (stage, TP rank), each in its own stage's process tree
+    for stage, log in enumerate(logs):
+        assert f"Worker_PP{stage}_TP0" in log and f"Worker_PP{stage}_TP1" in log
+    assert "tensor_parallel_size=2, pipeline_parallel_size=2" in logs[0]
+    assert got == reference_ids
+
+
+def test_three_stages_match_single_process(tiny_llama, reference_ids, tmp_path):
+    plan = plan_for(tiny_llama)
+    plan["stages"] = [{"name": f"s{i}", "device": "cpu", "layers": n, "cpus": 1, "memory": "4Gi"}
+                      for i, n in enumerate([1, 1, 2])]
+    envs = [{"HYBRID_CPUS": str(i % (os.cpu_count() or 1))} for i in range(3)]
+    pipe = LocalPipeline(plan, tmp_path, envs).start()
+    try:
+        pipe.wait_ready()
+        got = [complete(pipe, p) for p in PROMPTS]
+        layers = [resolved(pipe.log(i))["layers"] for i in range(3)]
+    finally:
+        pipe.stop()
+    assert layers == ["0-0", "1-1", "2-3"]
+    assert got == reference_ids
