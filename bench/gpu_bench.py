@@ -1,10 +1,15 @@
 """Side-by-side benchmark on the GPU machine (issue: performance), one lease, Llama-3.1-8B shape,
 dummy bf16 weights:
   (a) all layers on the GPU (ceiling)
-  (b) vLLM --cpu-offload-gb holding the layers the CPU stage would hold (V1 runner, so it works)
+  (b) vLLM --cpu-offload-gb holding the layers the CPU stage would hold: the plan's `offload`
+      strategy (V1 runner; the engine log must say UVAOffloader)
   (c) our pipeline: 16 layers on a GPU stage + 16 on a CPU stage, GPU first (c-gpu-first) or last
-Concurrency waves of 128-token prompts x 128 output tokens, TTFT at 1k/4k prompt tokens, and the
-box's DRAM read bandwidth. Usage (see bench/run.sh): python bench/gpu_bench.py CONFIG [CONFIG...]
+  (d) `balanced`: CPU first, the GPU stage also streams some of the CPU stage's layers
+Each concurrency gets a short warm-up wave (same shapes, 4 tokens), then the measured wave of
+128-token prompts x 128 output tokens; TTFT at 1k/4k prompt tokens; per-stage forward time per
+step from the stages' hybrid_stage_* metrics; the box's DRAM read bandwidth. CPU stages run with
+the GEMM kernel and thread placement bench/cpu_kernels.py found fastest (its JSON in $HYBRID_BENCH_OUT).
+Usage (see bench/run.sh): python bench/gpu_bench.py CONFIG [CONFIG...]
 """
 import json
 import os
@@ -14,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from vllm_hybrid.cpubind import parse_cpulist
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model
@@ -38,10 +44,53 @@ def dram_read_gbs(threads: int = 15) -> float:
     return round(5 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9, 1)
 
 
-def drive(url: str, model: str) -> dict:
-    waves = [wave(url, model, token_prompts(c, 128, VOCAB, seed=1000 * c), 128) for c in CONCURRENCY]
+def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
+    """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far."""
+    out = []
+    for url in metrics_urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            out.append((0.0, 0.0))
+            continue
+        vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+                if l.startswith("hybrid_stage_forward_seconds_")}
+        out.append((vals.get("hybrid_stage_forward_seconds_sum", 0.0), vals.get("hybrid_stage_forward_seconds_count", 0.0)))
+    return out
+
+
+def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
+    waves = []
+    for c in CONCURRENCY:
+        wave(url, model, token_prompts(c, 128, VOCAB, seed=1000 * c + 1), 4)  # warm-up: this batch size's shapes
+        before = forward_totals(metrics_urls)
+        w = wave(url, model, token_prompts(c, 128, VOCAB, seed=1000 * c), 128)
+        after = forward_totals(metrics_urls)
+        # mean forward time per step on each stage during the wave (prefill steps included)
+        w["stage_forward_ms"] = [round(1000 * (a[0] - b[0]) / (a[1] - b[1]), 2) if a[1] > b[1] else None
+                                 for a, b in zip(after, before)]
+        waves.append(w)
+        print(json.dumps(w), flush=True)
     ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in (1024, 4096)}
     return {"waves": waves, "ttft_s": ttft}
+
+
+def cpu_tuning() -> dict:
+    """CPU-stage env from bench/cpu_kernels.py's results: the fastest kernel and placement at
+    batch 1 and 64 together (default: vLLM's oneDNN on CPUs 1-15)."""
+    path = OUT / "cpu_kernels.json"
+    best = ("onednn", "all", None)
+    if path.exists():
+        runs = json.loads(path.read_text())["placements"]
+        scored = [(k["1"]["ms"] + k["64"]["ms"] / 4, name, place, r["cpu_list"])
+                  for place, r in runs.items() for name, k in r.get("kernels", {}).items() if name != "torch"]
+        if scored:
+            _, *best = min(scored)
+    kernel, placement, cpus = best
+    env = {"HYBRID_CPUS": ",".join(map(str, cpus)) if cpus else "1-15"}
+    if kernel == "sgl":
+        env["VLLM_CPU_SGL_KERNEL"] = "1"
+    return {"kernel": kernel, "placement": placement, "env": env}
 
 
 class PlainVllm:
@@ -82,28 +131,46 @@ def run_plain(model, extra, env):
         server.stop()
 
 
-def run_pipeline(model, gpu_first: bool):
+def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline"):
+    tuning = cpu_tuning()
     gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
-    cpu = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "16Gi"}
+    cpu = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": len(parse_cpulist(tuning["env"]["HYBRID_CPUS"])),
+           "memory": "24Gi"}
     stages = [gpu, cpu] if gpu_first else [cpu, gpu]
     plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
-            "stages": stages, **SHAPE, **local_ports()}
-    envs = [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": "1-15"} for s in stages]
-    with LocalPipeline(plan, OUT / f"pipeline-{'gpu' if gpu_first else 'cpu'}-first", envs) as pipe:
+            "strategy": strategy, "stages": stages, **SHAPE, **local_ports()}
+    cpu_cores = set(parse_cpulist(tuning["env"]["HYBRID_CPUS"]))
+    gpu_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in cpu_cores)
+    envs = [{**GPU_ENV, "HYBRID_CPUS": gpu_cores} if s["device"] == "gpu" else {**CPU_ENV, **tuning["env"]}
+            for s in stages]
+    work = OUT / f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first"
+    with LocalPipeline(plan, work, envs) as pipe:
         ready = pipe.wait_ready(timeout=600)
-        return {"ready_s": round(ready, 1), **drive(pipe.url, "m")}
+        out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
+               "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
+                            for i in range(len(stages))]}
+        out.update(drive(pipe.url, "m", [pipe.metrics_url(i) for i in range(len(stages))]))
+        if strategy == "offload":
+            out["offload_verified"] = "UVAOffloader" in pipe.log(0)
+        return out
 
 
 CONFIGS = {
     "a-all-gpu": lambda m: run_plain(m, [], GPU_ENV),
-    "b-offload": lambda m: run_plain(m, [f"--cpu-offload-gb={OFFLOAD_GIB}"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
+    "b-offload": lambda m: run_pipeline(m, True, "offload"),
+    "b-offload-plain": lambda m: run_plain(m, [f"--cpu-offload-gb={OFFLOAD_GIB}"],
+                                           {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "c-gpu-first": lambda m: run_pipeline(m, True),
     "c-cpu-first": lambda m: run_pipeline(m, False),
+    "d-balanced": lambda m: run_pipeline(m, False, "balanced"),
 }
 
 
 def main(names):
     OUT.mkdir(parents=True, exist_ok=True)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown configuration {unknown}; known: {list(CONFIGS)}")
     model = make_shaped_model(OUT / "model-llama-3.1-8b-shape", LLAMA_3_1_8B)
     results_path = OUT / "gpu_bench.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -120,4 +187,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(CONFIGS))
+    main(sys.argv[1:] or ["a-all-gpu", "b-offload", "c-cpu-first", "c-gpu-first"])

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # `make bench` on the GPU machine (after the vLLM bundle is in /tmp/pack, see tests/gpu/README.md):
-#   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-gpu-first c-cpu-first (default: all)
-# Results: $HYBRID_BENCH_OUT (default bench/results): gpu_bench.json, .md, .png.
+#   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-cpu-first c-gpu-first (the default),
+#   d-balanced, b-offload-plain (plain `vllm serve --cpu-offload-gb`, no vllm-hybrid)
+# Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1
 [ -d /tmp/hyb/vllm_hybrid ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/hyb ./runtime || exit 1
 export HYBRID_GPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-gpu:/tmp/vb/deps HYBRID_CPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HYBRID_BENCH_OUT=${HYBRID_BENCH_OUT:-bench/results}
+mkdir -p "$HYBRID_BENCH_OUT"
+# what the CPU stage's GEMMs reach here, and which kernel/placement the pipeline runs then use
+[ -f "$HYBRID_BENCH_OUT/cpu_kernels.json" ] || PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps CUDA_VISIBLE_DEVICES= \
+  VLLM_TARGET_DEVICE=cpu python3 bench/cpu_kernels.py "$HYBRID_BENCH_OUT/cpu_kernels.json"
 PYTHONPATH=/tmp/hyb:/tmp/vb/deps:/tmp/vb/site-gpu python3 bench/gpu_bench.py "$@"
 PYTHONPATH=/tmp/hyb python3 bench/report.py "$HYBRID_BENCH_OUT/gpu_bench.json"

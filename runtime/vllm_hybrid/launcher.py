@@ -9,6 +9,7 @@ from pathlib import Path
 from .cpubind import CpuBinding
 from .plan import Plan, PlanError
 from .planner import GiB, Split
+from .strategy import Layout, layout
 
 GPU_VLLM_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # the V2 runner's pipeline path does not go through our hop patches
@@ -47,9 +48,15 @@ def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int) -> int:
     return max(1, sp.kv_bytes // GiB)
 
 
-def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.executable) -> list[str]:
+def _layout(plan: Plan, split: Split, lay: Layout | None) -> Layout:
+    return lay or layout(plan, split, "pipeline")
+
+
+def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.executable,
+                 lay: Layout | None = None) -> list[str]:
     stage = plan.stages[ident.stage]
-    n = len(plan.stages)
+    lay = _layout(plan, split, lay)
+    n, rank = len(lay.stages), lay.stages.index(ident.stage)
     argv = [python, "-m", "vllm_hybrid.vllm_entry", "serve", plan.model,
             "--served-model-name", plan.served_model_name or Path(plan.model).name,
             "--dtype", plan.dtype,
@@ -64,13 +71,16 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
             # sampled tokens would travel over the pipeline's device group under async scheduling
             "--no-async-scheduling"]
     if n > 1:
-        argv += ["--nnodes", str(n), "--node-rank", str(ident.stage),
+        argv += ["--nnodes", str(n), "--node-rank", str(rank),
                  "--master-addr", ident.master_addr, "--master-port", str(plan.master_port)]
     if plan.revision:
         argv += ["--revision", plan.revision]
     if not stage.is_cpu:
         argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization)]
-    if ident.stage == 0:
+        if streamed := lay.offload_bytes[rank]:
+            # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
+            argv += ["--cpu-offload-gb", f"{streamed / GiB / stage.tensor_parallel:.2f}"]
+    if rank == 0:
         argv += ["--host", "0.0.0.0", "--port", str(plan.api_port),
                  "--middleware", "vllm_hybrid.api_guard.RequestGuard"]
     else:
@@ -79,17 +89,21 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
 
 
 def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | None,
-             base: dict[str, str]) -> dict[str, str]:
+             base: dict[str, str], lay: Layout | None = None) -> dict[str, str]:
     stage = plan.stages[ident.stage]
+    lay = _layout(plan, split, lay)
     env = dict(base)
     env.update(GPU_VLLM_ENV)
     env.update({
         "HYBRID_PIPELINE": "1",
-        "VLLM_PP_LAYER_PARTITION": split.partition,
+        "VLLM_PP_LAYER_PARTITION": lay.partition,
         "HYBRID_STAGE": str(ident.stage),
+        # position in what runs: differs from the plan's stage index when a strategy leaves stages out
+        "HYBRID_PIPELINE_RANK": str(lay.stages.index(ident.stage)),
+        "HYBRID_PIPELINE_STAGES": str(len(lay.stages)),
         "HYBRID_REPLICA": str(ident.replica),
         "HYBRID_STAGE_NAME": stage.name,
-        "HYBRID_LAYER_RANGE": split.stages[ident.stage].layer_range,
+        "HYBRID_LAYER_RANGE": lay.ranges()[ident.stage],
         "VLLM_NO_USAGE_STATS": "1",
     })
     # local runs put several stages on one host: they pass each stage its own metrics port
@@ -118,12 +132,16 @@ def numactl_prefix(binding: CpuBinding | None, numactl: str | None) -> list[str]
 
 
 def resolved_summary(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | None,
-                     env: dict[str, str]) -> dict:
+                     env: dict[str, str], lay: Layout | None = None) -> dict:
     stage = plan.stages[ident.stage]
+    lay = _layout(plan, split, lay)
+    rank = lay.stages.index(ident.stage)
     out = {"stage": ident.stage, "name": stage.name, "device": stage.device, "replica": ident.replica,
-           "stages": len(plan.stages), "layers": split.stages[ident.stage].layer_range,
-           "partition": split.partition, "tp": stage.tensor_parallel, "master": f"{ident.master_addr}:{plan.master_port}",
-           "role": "api" if ident.stage == 0 else "headless", "model": plan.model}
+           "stages": len(lay.stages), "layers": lay.ranges()[ident.stage], "strategy": lay.strategy,
+           "partition": lay.partition, "tp": stage.tensor_parallel, "master": f"{ident.master_addr}:{plan.master_port}",
+           "role": "api" if rank == 0 else "headless", "model": plan.model}
+    if lay.offload_bytes[rank]:
+        out["offload_gib"] = round(lay.offload_bytes[rank] / GiB, 2)
     if binding:
         out.update(cpus=binding.omp_bind, numa_node=binding.numa_node,
                    kv_cache_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))

@@ -53,6 +53,9 @@ def wave(url: str, model: str, prompts: list, max_tokens: int) -> dict:
             "output_tokens": tokens, "tok_per_s": round(tokens / wall, 2),
             "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
             "ms_per_token_per_seq": round(1000 * statistics.mean(r["e2e"] / max(1, r["tokens"]) for r in ok), 2) if ok else None,
+            # time per output token after the first: the decode step as one request sees it
+            "tpot_ms": round(1000 * statistics.mean((r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in decoded), 2)
+            if (decoded := [r for r in ok if r["ttft"] is not None and r["tokens"] > 1]) else None,
             "errors": [repr(r) for r in results if not isinstance(r, dict)][:3]}
 
 

@@ -173,6 +173,45 @@ def patch_response_queue_locality(multiproc_executor) -> None:
     APPLIED.append("WorkerProc._init_message_queues(node = local_world_size ranks)")
 
 
+def patch_dummy_weights_once(dummy_loader) -> None:
+    # vllm.model_executor.model_loader.dummy_loader.DummyModelLoader.load_weights calls
+    # initialize_dummy_weights(layer) for every module, and that fills layer.state_dict(): every
+    # tensor is refilled once per module above it (5-6 times in a Llama), about 2 minutes for 16
+    # 8B-sized layers on a CPU stage. The values depend only on the tensor (fixed seed), so
+    # filling each tensor once gives the same weights.
+    cls = dummy_loader.DummyModelLoader
+    original_load, original_init = cls.load_weights, dummy_loader.initialize_dummy_weights
+
+    @functools.wraps(original_load)
+    def load_weights(self, model, model_config):
+        seen: set[tuple] = set()
+
+        def once(layer, *args, **kwargs):
+            fresh = {k: v for k, v in layer.state_dict().items()
+                     if (v.data_ptr(), v.numel(), v.dtype) not in seen and not seen.add((v.data_ptr(), v.numel(), v.dtype))}
+            if fresh:
+                original_init(_Tensors(fresh), *args, **kwargs)
+
+        dummy_loader.initialize_dummy_weights = once
+        try:
+            return original_load(self, model, model_config)
+        finally:
+            dummy_loader.initialize_dummy_weights = original_init
+
+    cls.load_weights = load_weights
+    APPLIED.append("DummyModelLoader.load_weights(fill each tensor once)")
+
+
+class _Tensors:
+    """Just enough of an nn.Module for initialize_dummy_weights: a state_dict()."""
+
+    def __init__(self, tensors):
+        self._tensors = tensors
+
+    def state_dict(self):
+        return self._tensors
+
+
 def patch_cpu_kv_memory_check() -> None:
     # vllm.v1.worker.cpu_worker.get_memory_node_info (from vllm.utils.cpu_resource_utils): the
     # KV-cache request is checked against the NUMA node's free memory. Some VMs report a synthetic,
@@ -245,6 +284,8 @@ def apply_all() -> list[str]:
     from vllm.v1.executor import multiproc_executor
     from vllm.v1.worker import gpu_model_runner, gpu_worker
     patch_response_queue_locality(multiproc_executor)
+    from vllm.model_executor.model_loader import dummy_loader
+    patch_dummy_weights_once(dummy_loader)
     patch_worker_step_metrics(gpu_worker)
     patch_pad_received_activations(gpu_model_runner)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":

@@ -65,6 +65,10 @@ class Plan:
     metrics_port: int = 9100
     load_format: str = "auto"
     strategy: str = "pipeline"
+    # the workload `strategy: auto` plans for (None: see strategy.Workload's defaults)
+    expected_concurrency: int | None = None
+    expected_prompt_tokens: int | None = None
+    expected_output_tokens: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -77,7 +81,8 @@ class Plan:
 
 
 _TOP_INT = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-            "api_port", "master_port", "supervisor_port", "metrics_port")
+            "api_port", "master_port", "supervisor_port", "metrics_port",
+            "expected_concurrency", "expected_prompt_tokens", "expected_output_tokens")
 _TOP_STR = ("model", "served_model_name", "revision", "dtype", "load_format", "strategy")
 _STAGE_KEYS = {"name", "device", "tensor_parallel", "layers", "gpu_memory_utilization", "cpus", "memory"}
 
@@ -168,6 +173,9 @@ def plan_from_dict(raw: Any) -> Plan:
     with_layers = [s.layers is not None for s in stages]
     if any(with_layers) and not all(with_layers):
         raise PlanError(f"stages[{with_layers.index(False)}].layers: give layers on every stage or on none")
+    expected = kwargs.get("expected_prompt_tokens", 0) + kwargs.get("expected_output_tokens", 0)
+    if expected > kwargs.get("max_model_len", 4096):
+        raise PlanError(f"expected_prompt_tokens + expected_output_tokens: {expected} exceeds max_model_len")
     if kwargs.get("max_num_batched_tokens", 4096) < kwargs.get("max_num_seqs", 64):
         raise PlanError("max_num_batched_tokens: must be >= max_num_seqs")
     ports = {k: kwargs.get(k) for k in ("api_port", "master_port", "supervisor_port", "metrics_port") if kwargs.get(k)}
