@@ -76,13 +76,14 @@ def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
 
 
 def cpu_tuning() -> dict:
-    """CPU-stage env from bench/cpu_kernels.py's results: the fastest kernel and placement at
-    batch 1 and 64 together (default: vLLM's oneDNN on CPUs 1-15)."""
+    """CPU-stage env from bench/cpu_kernels.py's results: the fastest kernel and placement over
+    decode batches (default: vLLM's oneDNN on CPUs 1-15)."""
     path = OUT / "cpu_kernels.json"
     best = ("onednn", "all", None)
     if path.exists():
         runs = json.loads(path.read_text())["placements"]
-        scored = [(k["1"]["ms"] + k["64"]["ms"] / 4, name, place, r["cpu_list"])
+        # decode batches 1-16 count fully (where a CPU stage can beat streaming), 64 a quarter
+        scored = [(k["1"]["ms"] + k["4"]["ms"] + k["16"]["ms"] + k["64"]["ms"] / 4, name, place, r["cpu_list"])
                   for place, r in runs.items() for name, k in r.get("kernels", {}).items() if name != "torch"]
         if scored:
             _, *best = min(scored)

@@ -106,6 +106,8 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
         "HYBRID_LAYER_RANGE": lay.ranges()[ident.stage],
         "VLLM_NO_USAGE_STATS": "1",
     })
+    # one batch in flight: micro-batches would make a CPU stage read its weights once per micro-batch
+    env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
     # local runs put several stages on one host: they pass each stage its own metrics port
     env.setdefault("HYBRID_METRICS_PORT", str(plan.metrics_port))
     if ident.host_ip:

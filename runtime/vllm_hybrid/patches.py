@@ -212,6 +212,22 @@ class _Tensors:
         return self._tensors
 
 
+def patch_batches_in_flight(config_vllm) -> None:
+    # vllm.config.vllm.VllmConfig.max_concurrent_batches: with pipeline parallelism the engine keeps
+    # pp_size batches in flight, so the running requests are split into micro-batches that take turns.
+    # A CPU stage is bound by reading its weights, which costs the same for 2 sequences as for 20:
+    # two half batches read them twice per token (concurrency 4 ran at half the speed of one batch).
+    # HYBRID_BATCHES_IN_FLIGHT (the launcher sets 1) caps it.
+    cap = int(os.environ.get("HYBRID_BATCHES_IN_FLIGHT", "0"))
+    if cap < 1:
+        return
+    cls = config_vllm.VllmConfig
+    original = cls.max_concurrent_batches
+
+    cls.max_concurrent_batches = property(lambda self: min(cap, original.fget(self)), doc=original.__doc__)
+    APPLIED.append(f"VllmConfig.max_concurrent_batches(<= {cap})")
+
+
 def patch_cpu_kv_memory_check() -> None:
     # vllm.v1.worker.cpu_worker.get_memory_node_info (from vllm.utils.cpu_resource_utils): the
     # KV-cache request is checked against the NUMA node's free memory. Some VMs report a synthetic,
@@ -284,6 +300,8 @@ def apply_all() -> list[str]:
     from vllm.v1.executor import multiproc_executor
     from vllm.v1.worker import gpu_model_runner, gpu_worker
     patch_response_queue_locality(multiproc_executor)
+    from vllm.config import vllm as config_vllm
+    patch_batches_in_flight(config_vllm)
     from vllm.model_executor.model_loader import dummy_loader
     patch_dummy_weights_once(dummy_loader)
     patch_worker_step_metrics(gpu_worker)
