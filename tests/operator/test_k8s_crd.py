@@ -12,7 +12,7 @@ from crd_validation import (
     evaluate_rule,
     validate,
 )
-from hi_fixtures import CHART, CRD_PATH, ROOT, make_body, stages
+from hi_fixtures import CHART, CPU, CRD_PATH, GPU, ROOT, make_body, stages
 from hybrid_operator import defaults
 
 
@@ -73,6 +73,17 @@ INVALID = [
     ("api-key-in-extra-args", body_with(serving={"extraArgs": ["--api-key=secret"]}), "spec.serving.extraArgs"),
     ("port-in-extra-args", body_with(serving={"extraArgs": ["--port", "1"]}), "spec.serving.extraArgs"),
     ("name-too-long-for-statefulsets", body_with(name="x" * 50), "metadata.name plus spec.stages[].name"),
+    ("offload-without-gpu-stage", body_with(strategy="offload", stages=[CPU], sharedMemory={"mode": "none"}),
+     "spec.strategy offload and balanced need a gpu stage"),
+    ("balanced-without-cpu-stage", body_with(strategy="balanced", stages=stages(1)),
+     "spec.strategy offload and balanced need a gpu stage and a cpu stage"),
+    ("offload-cpu-stage-first", body_with(strategy="offload", stages=[CPU, GPU]),
+     "spec.strategy offload needs spec.stages[0] to be a gpu stage"),
+    ("workload-longer-than-max-model-len", body_with(workload={"promptTokens": 4000, "outputTokens": 97}),
+     "spec.workload.promptTokens + spec.workload.outputTokens must not exceed spec.model.maxModelLen"),
+    ("workload-prompt-alone-longer-than-max-model-len",
+     body_with(set_in(["model", "maxModelLen"], 2048), workload={"promptTokens": 2049}),
+     "spec.model.maxModelLen"),
     # Schema (OpenAPI) rejections name the field path.
     ("unknown-device", body_with(set_in(["stages", 0, "device"], "tpu")), "spec.stages[0].device"),
     ("fractional-cpus", body_with(set_in(["stages", 1, "cpus"], 1.5)), "spec.stages[1].cpus"),
@@ -83,6 +94,10 @@ INVALID = [
     ("unknown-shm-mode", body_with(sharedMemory={"mode": "tmpfs"}), "spec.sharedMemory.mode"),
     ("unknown-dtype", body_with(set_in(["model", "dtype"], "int8")), "spec.model.dtype"),
     ("unknown-strategy", body_with(strategy="fastest"), "spec.strategy"),
+    ("workload-zero-concurrency", body_with(workload={"concurrency": 0}), "spec.workload.concurrency"),
+    ("workload-concurrency-too-high", body_with(workload={"concurrency": 4097}), "spec.workload.concurrency"),
+    ("workload-string-tokens", body_with(workload={"outputTokens": "256"}), "spec.workload.outputTokens"),
+    ("workload-unknown-field", body_with(workload={"requestsPerSecond": 3}), "requestsPerSecond"),
     ("unknown-field", body_with(serving={"maxTokens": 5}), "maxTokens"),
     ("too-many-stages", body_with(stages=stages(2) + [dict(stages(3)[2], name=f"c{i}") for i in range(7)]),
      "spec.stages"),
@@ -106,10 +121,17 @@ VALID = {
     "three-stage-tp2-layers": make_body(stages=stages(3, tp=2, layers=True)),
     "cpu-only": make_body(stages=[{"name": "cpu", "device": "cpu", "cpus": 8, "memory": "32Gi"}],
                           sharedMemory={"mode": "none", "sizeLimit": "8Gi"}),
+    "offload-three-stages": make_body(stages=stages(3), strategy="offload"),
+    "offload-two-gpu-stages": make_body(stages=[GPU, CPU, dict(GPU, name="gpu2"), dict(CPU, name="cpu2")],
+                                        strategy="offload"),
+    "auto-with-workload-at-max-model-len": make_body(
+        strategy="auto", workload={"concurrency": 4096, "promptTokens": 4000, "outputTokens": 96}),
+    "auto-partial-workload": make_body(strategy="auto", workload={"concurrency": 1}),
+    "auto-gpu-only": make_body(strategy="auto", stages=stages(1), workload={}),
     "hf-repo": make_body(model={"repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": "main",
                                 "tokenSecretRef": {"name": "hf"}}),
     "everything": make_body(
-        replicas=3, strategy="balanced",
+        replicas=3, strategy="balanced", workload={"concurrency": 32, "promptTokens": 2048, "outputTokens": 512},
         model={"path": ".", "volume": {"claimName": "m", "subPath": "llama", "readOnly": True},
                "servedModelName": "llama", "dtype": "float16", "maxModelLen": 8192, "loadFormat": "safetensors"},
         stages=[dict(stages(2)[0], gpuMemory="80Gi", gpuMemoryUtilization=0.85, cpus=8, memory="32Gi",
@@ -196,8 +218,10 @@ def test_crd_names_columns_and_subresources():
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    for wanted in ("Ready", "Replicas", "Stages", "Endpoint", "Age"):
+    for wanted in ("Ready", "Replicas", "Stages", "Strategy", "Endpoint", "Age"):
         assert wanted in cols
+    strategy = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Strategy")
+    assert strategy["jsonPath"] == ".spec.strategy" and "priority" not in strategy  # shown by plain `kubectl get`
 
 
 def test_chart_ships_the_same_crd():
