@@ -11,6 +11,8 @@ from .defaults import with_defaults
 from .settings import MASTER_PORT, SUPERVISOR_PORT
 
 MODEL_MOUNT = "/models"
+WORKLOAD_KEYS = {"concurrency": "expected_concurrency", "promptTokens": "expected_prompt_tokens",
+                 "outputTokens": "expected_output_tokens"}
 
 
 def model_location(model: dict[str, Any]) -> str:
@@ -45,7 +47,7 @@ def _stage(stage: dict[str, Any]) -> dict[str, Any]:
 def render_plan(spec: dict[str, Any]) -> dict[str, Any]:
     spec = with_defaults(spec)
     model, serving = spec["model"], spec["serving"]
-    return {
+    plan = {
         "model": model_location(model),
         "revision": model.get("revision"),
         "served_model_name": served_model_name(model),
@@ -65,6 +67,11 @@ def render_plan(spec: dict[str, Any]) -> dict[str, Any]:
         "extra_args": list(serving["extraArgs"]),
         "stages": [_stage(s) for s in spec["stages"]],
     }
+    # Only what the user stated: the runtime's cost model has its own defaults for the rest.
+    for key, plan_key in WORKLOAD_KEYS.items():
+        if key in spec.get("workload", {}):
+            plan[plan_key] = spec["workload"][key]
+    return plan
 
 
 def plan_yaml(spec: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 from hi_fixtures import ROOT, make_body, stages
-from hybrid_operator.plan import layer_ranges, render_plan, stages_summary
+from hybrid_operator.plan import WORKLOAD_KEYS, layer_ranges, render_plan, stages_summary
 
 
 def documented_keys():
@@ -17,10 +17,14 @@ def documented_keys():
     return set(example), stage_keys
 
 
+WORKLOAD = {"concurrency": 8, "promptTokens": 1024, "outputTokens": 128}
+
+
 def test_plan_uses_only_documented_keys():
     top, stage_keys = documented_keys()
-    plan = render_plan(make_body(stages=stages(3, layers=True))["spec"])
+    plan = render_plan(make_body(stages=stages(3, layers=True), workload=WORKLOAD)["spec"])
     assert set(plan) == top
+    assert set(render_plan(make_body()["spec"])) == top - set(WORKLOAD_KEYS.values())  # workload keys optional
     for stage in plan["stages"]:
         assert set(stage) <= stage_keys
 
@@ -53,6 +57,15 @@ def test_defaults_and_served_name_from_path():
     assert "layers" not in plan["stages"][0]
 
 
+def test_workload_goes_to_expected_keys_only_when_given():
+    plan = render_plan(make_body(strategy="auto", workload=WORKLOAD)["spec"])
+    assert (plan["strategy"], plan["expected_concurrency"], plan["expected_prompt_tokens"],
+            plan["expected_output_tokens"]) == ("auto", 8, 1024, 128)
+    partial = render_plan(make_body(workload={"outputTokens": 64})["spec"])
+    assert partial["expected_output_tokens"] == 64
+    assert "expected_concurrency" not in partial and "expected_prompt_tokens" not in partial
+
+
 def test_layer_ranges():
     assert layer_ranges(make_body(stages=stages(3, layers=True))["spec"]) == ["0-7", "8-15", "16-23"]
     assert layer_ranges(make_body()["spec"]) == ["auto", "auto"]
@@ -67,15 +80,19 @@ def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():
     assert plan["stages"][0]["memory"] == "80Gi"
 
 
-@pytest.mark.parametrize("n_stages,tp,layers", [(1, 1, False), (2, 1, True), (3, 2, False), (3, 2, True)])
-def test_runtime_loader_accepts_rendered_plans(n_stages, tp, layers):
+@pytest.mark.parametrize("n_stages,tp,layers,strategy", [(1, 1, False, "pipeline"), (2, 1, True, "offload"),
+                                                      (3, 2, False, "auto"), (3, 2, True, "balanced")])
+def test_runtime_loader_accepts_rendered_plans(n_stages, tp, layers, strategy):
     """Contract test: the runtime's own validator reads what the operator renders."""
     from vllm_hybrid.plan import plan_from_dict
 
     st = stages(n_stages, tp, layers)
     st[0]["gpuMemory"] = "80Gi"
-    spec = make_body(stages=st, serving={"apiKeySecretRef": {"name": "k"}, "extraArgs": ["--enforce-eager"]})["spec"]
+    spec = make_body(stages=st, serving={"apiKeySecretRef": {"name": "k"}, "extraArgs": ["--enforce-eager"]},
+                     strategy=strategy, workload=WORKLOAD)["spec"]
     plan = plan_from_dict(yaml.safe_load(yaml.safe_dump(render_plan(spec))))
+    assert (plan.strategy, plan.expected_concurrency, plan.expected_prompt_tokens,
+            plan.expected_output_tokens) == (strategy, 8, 1024, 128)
     assert [s.name for s in plan.stages] == [s["name"] for s in st]
     assert plan.stages[0].memory_bytes == 80 * 2**30
     assert plan.supervision_port == 29501 and plan.api_port == 8000
