@@ -9,6 +9,7 @@ import yaml
 
 from .defaults import with_defaults
 from .settings import MASTER_PORT, SUPERVISOR_PORT
+from .strategy import running_layers, running_stages
 
 MODEL_MOUNT = "/models"
 WORKLOAD_KEYS = {"concurrency": "expected_concurrency", "promptTokens": "expected_prompt_tokens",
@@ -84,18 +85,19 @@ def plan_hash(spec: dict[str, Any]) -> str:
 
 
 def layer_ranges(spec: dict[str, Any]) -> list[str]:
-    """Per stage 'first-last' when layers are explicit, else 'auto' (the runtime decides)."""
-    stages = with_defaults(spec)["stages"]
-    if not stages or not all("layers" in s for s in stages):
-        return ["auto"] * len(stages)
+    """Per running stage 'first-last' when layers are explicit, else 'auto' (the runtime decides)."""
     out, first = [], 0
-    for s in stages:
-        out.append(f"{first}-{first + s['layers'] - 1}")
-        first += s["layers"]
+    for n in running_layers(with_defaults(spec)):
+        if n is None:
+            out.append("auto")
+            continue
+        out.append(f"{first}-{first + n - 1}")
+        first += n
     return out
 
 
 def stages_summary(spec: dict[str, Any]) -> str:
-    """Printer column, e.g. 'gpu:16 cpu:16' or 'gpu:auto cpu:auto'."""
-    stages = with_defaults(spec)["stages"]
-    return " ".join(f"{s['name']}:{s.get('layers', 'auto')}" for s in stages)
+    """Printer column over the running stages, e.g. 'gpu:16 cpu:16', 'gpu:auto cpu:auto', 'gpu:32' (offload)."""
+    spec = with_defaults(spec)
+    return " ".join(f"{spec['stages'][i]['name']}:{'auto' if n is None else n}"
+                    for i, n in zip(running_stages(spec), running_layers(spec)))

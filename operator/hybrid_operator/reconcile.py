@@ -13,6 +13,7 @@ from .kube import KubeApi, path_for
 from .render import render_children
 from .settings import API_VERSION, Settings
 from .status import compute_status
+from .strategy import running_stages
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
 
 
 async def apply_children(api: KubeApi, body: dict[str, Any], settings: Settings) -> dict[str, str]:
-    """Create/patch every child; delete StatefulSets of stages no longer in the spec."""
+    """Create/patch every child; delete StatefulSets of stages no longer in the spec or not run (offload)."""
     meta = body["metadata"]
     results: dict[str, str] = {}
     children = render_children(body, settings)
@@ -101,8 +102,11 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
     if body is None or body["metadata"].get("deletionTimestamp"):
         return []  # instance is going away; garbage collection removes the pods
     spec = with_defaults(body["spec"])
+    running = [spec["stages"][i]["name"] for i in running_stages(spec)]
+    if (meta.get("labels") or {}).get(names.STAGE_LABEL) not in running:
+        return []  # a stage the strategy no longer runs: its pods go away with its StatefulSet
     pods = await api.list(path_for("v1", "Pod", ns), names.instance_selector(instance))
-    doomed, reason = group_restart.victims(event_type, pod, pods, spec["replicas"], len(spec["stages"]))
+    doomed, reason = group_restart.victims(event_type, pod, pods, spec["replicas"], len(running))
     deleted = [name for name in doomed if await api.delete(path_for("v1", "Pod", ns, name))]
     if deleted:
         metrics.GROUP_RESTARTS.inc()

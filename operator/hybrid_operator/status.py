@@ -7,6 +7,7 @@ from . import names
 from .defaults import with_defaults
 from .plan import layer_ranges, stages_summary
 from .settings import Settings
+from .strategy import running_stages
 
 # Pod failures the kubelet/scheduler report that a user must act on (reason -> shown as is).
 ADMISSION_FAILURES = {"TopologyAffinityError", "UnexpectedAdmissionError", "OutOfcpu", "OutOfmemory",
@@ -74,7 +75,8 @@ def compute_status(body: dict[str, Any], statefulsets: list[dict[str, Any]], pod
     settings = settings or Settings()
     meta, spec = body["metadata"], with_defaults(body["spec"])
     name, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
-    wanted, stages = spec["replicas"], spec["stages"]
+    # Only the stages that get pods (offload leaves cpu stages out): a replica is ready without them.
+    wanted, stages = spec["replicas"], [spec["stages"][i] for i in running_stages(spec)]
     by_name = {s["metadata"]["name"]: s for s in statefulsets}
     ranges = layer_ranges(spec)
 

@@ -107,6 +107,41 @@ async def test_removed_stage_statefulset_deleted(kmock, api):
     assert set(live(kmock, "apps/v1/statefulsets")) == {"llama-gpu", "llama-cpu"}
 
 
+async def test_pipeline_to_offload_deletes_cpu_statefulsets_and_back(kmock, api):
+    st = stages(3)
+    st[0]["memory"] = "16Gi"
+    body = make_body(stages=st)
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    assert set(live(kmock, "apps/v1/statefulsets")) == {"llama-gpu", "llama-cpu", "llama-cpu2"}
+    kmock.objects["apps/v1/statefulsets", "ml", "llama-other"] = {  # same labels, not ours: left alone
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "spec": {"replicas": 1},
+        "metadata": {"name": "llama-other", "namespace": "ml", "labels": names.instance_selector("llama")}}
+
+    offload = make_body(stages=st, strategy="offload")
+    offload["metadata"]["generation"] = 2
+    put_instance(kmock, offload)
+    result = await reconcile(api, offload, SETTINGS)
+    assert result["children"]["StatefulSet/llama-cpu"] == result["children"]["StatefulSet/llama-cpu2"] == "deleted"
+    assert result["children"]["StatefulSet/llama-gpu"] == "patched"
+    sts = live(kmock, "apps/v1/statefulsets")
+    assert set(sts) == {"llama-gpu", "llama-other"}
+    res = sts["llama-gpu"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"]["memory"] == res["limits"]["memory"] == "144Gi"  # 16Gi + 2 x 64Gi of cpu weights
+    assert "strategy: offload" in live(kmock, "v1/configmaps")["llama-plan"]["data"]["plan.yaml"]
+    status = live(kmock, HI)["llama"]["status"]
+    assert [s["name"] for s in status["stages"]] == ["gpu"] and status["stagesSummary"] == "gpu:auto"
+    again = await reconcile(api, live(kmock, HI)["llama"], SETTINGS)
+    assert set(again["children"].values()) == {"unchanged"}  # converged: nothing deleted twice
+
+    back = make_body(stages=st)
+    back["metadata"]["generation"] = 3
+    result = await reconcile(api, back, SETTINGS)
+    assert result["children"]["StatefulSet/llama-cpu"] == "created"
+    res = live(kmock, "apps/v1/statefulsets")["llama-gpu"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"]["memory"] == "16Gi"
+
+
 def ready_pod(stage, index, i, ready=True, **status):
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": f"llama-{stage}-{index}", "namespace": "ml",
@@ -143,6 +178,21 @@ async def test_status_written_with_conditions_and_counts(kmock, api):
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
         "Ready": "True", "Progressing": "False", "Degraded": "False"}
     assert metrics.INSTANCES.labels(phase="Ready")._value.get() >= 1
+
+
+async def test_offload_replica_is_ready_with_only_its_gpu_pods(kmock, api):
+    body = make_body(stages=stages(3, layers=True), strategy="offload")
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    kmock.objects["apps/v1/statefulsets", "ml", "llama-gpu"].patch(
+        {"status": {"replicas": 1, "readyReplicas": 1, "observedGeneration": 1,
+                    "currentRevision": "r1", "updateRevision": "r1"}})
+    kmock.objects["v1/pods", "ml", "llama-gpu-0"] = ready_pod("gpu", 0, 0)
+    await reconcile(api, live(kmock, HI)["llama"], SETTINGS)
+    status = live(kmock, HI)["llama"]["status"]
+    assert status["phase"] == "Ready" and status["ready"] == "1/1"
+    assert status["stages"] == [{"name": "gpu", "device": "gpu", "replicas": 1, "readyReplicas": 1, "layers": "0-23"}]
+    assert status["stagesSummary"] == "gpu:24"
 
 
 async def test_topology_affinity_error_surfaces_as_degraded_condition_and_event(kmock, api):
@@ -276,6 +326,18 @@ async def test_group_restart_after_deletion_spares_replacements(kmock, api):
     # The next DELETED event (of the peer we just removed) must not touch the new gpu pod.
     assert await handle_pod_event(api, "DELETED", peer) == []
     assert "llama-gpu-0" in live(kmock, "v1/pods")
+
+
+async def test_pods_of_stages_offload_does_not_run_cause_no_group_restart(kmock, api):
+    """pipeline -> offload deletes the cpu StatefulSet; its pods going away must not restart the gpu pods."""
+    put_instance(kmock, make_body(strategy="offload"))
+    gpu, cpu = pod("gpu", 0, 0), pod("cpu", 0, 1)
+    for p in (gpu, cpu):
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    assert await handle_pod_event(api, "DELETED", cpu) == []
+    assert "llama-gpu-0" in live(kmock, "v1/pods")
+    # A single running stage: the kubelet's restart is enough, nothing to re-form.
+    assert await handle_pod_event(api, "MODIFIED", pod("gpu", 0, 0, restarts=1)) == []
 
 
 async def test_healthy_pod_updates_cause_no_api_calls(kmock, api):

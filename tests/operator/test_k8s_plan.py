@@ -66,11 +66,30 @@ def test_workload_goes_to_expected_keys_only_when_given():
     assert "expected_concurrency" not in partial and "expected_prompt_tokens" not in partial
 
 
+def test_offload_plan_still_lists_every_stage():
+    """The runtime needs the cpu stages to plan the split, even though they get no pods."""
+    plan = render_plan(make_body(strategy="offload", stages=stages(3, layers=True))["spec"])
+    assert [s["name"] for s in plan["stages"]] == ["gpu", "cpu", "cpu2"]
+    assert plan["stages"][1] == {"name": "cpu", "device": "cpu", "tensor_parallel": 1, "layers": 8, "cpus": 16,
+                                 "memory": "64Gi"}
+
+
 def test_layer_ranges():
     assert layer_ranges(make_body(stages=stages(3, layers=True))["spec"]) == ["0-7", "8-15", "16-23"]
     assert layer_ranges(make_body()["spec"]) == ["auto", "auto"]
     assert stages_summary(make_body(stages=stages(2, layers=True))["spec"]) == "gpu:8 cpu:8"
     assert stages_summary(make_body()["spec"]) == "gpu:auto cpu:auto"
+    # offload: only the gpu stages run, each computing its own and the streamed cpu layers
+    offload = make_body(strategy="offload", stages=stages(3, layers=True))["spec"]
+    assert layer_ranges(offload) == ["0-23"] and stages_summary(offload) == "gpu:24"
+    assert stages_summary(make_body(strategy="offload")["spec"]) == "gpu:auto"
+    st = stages(4, layers=True)
+    st[2] = dict(st[0], name="gpu2", layers=4)  # gpu cpu gpu2 cpu3: each cpu stage goes to the gpu before it
+    assert stages_summary(make_body(strategy="offload", stages=st)["spec"]) == "gpu:16 gpu2:12"
+    assert layer_ranges(make_body(strategy="offload", stages=st)["spec"]) == ["0-15", "16-27"]
+    for strategy in ("balanced", "auto"):  # every stage runs
+        assert layer_ranges(make_body(strategy=strategy, stages=stages(3, layers=True))["spec"]) == \
+            ["0-7", "8-15", "16-23"]
 
 
 def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():

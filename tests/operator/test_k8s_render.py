@@ -7,6 +7,7 @@ import pytest
 import yaml
 from hi_fixtures import make_body, stages
 from hybrid_operator import names
+from hybrid_operator.quantity import from_bytes, to_bytes
 from hybrid_operator.render import render_children
 from hybrid_operator.settings import MASTER_PORT, SUPERVISOR_PORT, Settings
 
@@ -174,3 +175,74 @@ def test_render_is_pure_and_deterministic():
     snapshot = yaml.safe_dump(body)
     assert render_children(body) == render_children(body)
     assert yaml.safe_dump(body) == snapshot  # the input is not mutated
+
+
+def memory_of(sts):
+    res = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+    return res["requests"].get("memory"), res["limits"].get("memory")
+
+
+def test_offload_runs_only_gpu_stages_with_host_ram_for_the_streamed_layers():
+    st = stages(3)
+    st[0]["memory"] = "32Gi"
+    body = make_body(strategy="offload", stages=st)
+    children = render_children(body)
+    assert [c["kind"] for c in children] == ["ConfigMap", "Service", "Service", "StatefulSet"]
+    (gpu,) = by_kind(children, "StatefulSet")
+    assert gpu["metadata"]["name"] == "llama-gpu"
+    assert memory_of(gpu) == ("160Gi", "160Gi")  # 32Gi of its own + 2 x 64Gi of cpu-stage weights
+    res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
+    plan = yaml.safe_load(children[0]["data"]["plan.yaml"])
+    assert plan["strategy"] == "offload" and len(plan["stages"]) == 3  # the runtime still plans every stage
+
+
+def test_offload_without_gpu_memory_reserves_the_streamed_ram_without_a_limit():
+    (gpu,) = by_kind(render_children(make_body(strategy="offload", stages=stages(3))), "StatefulSet")
+    assert memory_of(gpu) == ("128Gi", None)
+
+
+def test_offload_each_gpu_stage_holds_the_cpu_stages_after_it():
+    st = stages(4)
+    st[0]["memory"] = "1.5Gi"
+    st[2] = dict(st[0], name="gpu2", memory="16G")
+    st[3]["memory"] = "1000Mi"
+    gpu, gpu2 = by_kind(render_children(make_body(strategy="offload", stages=st)), "StatefulSet")
+    assert memory_of(gpu) == ("67072Mi", "67072Mi")  # 1.5Gi + 64Gi
+    assert [to_bytes(m) for m in memory_of(gpu2)] == [16 * 10**9 + 1000 * 2**20] * 2  # decimal + binary units
+    assert env_of(gpu2["spec"]["template"]["spec"]["containers"][0])["HYBRID_STAGE"]["value"] == "2"
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "auto"])
+def test_balanced_and_auto_run_every_stage_like_pipeline(strategy):
+    """auto: the runtime may still pick offload, then the cpu pods idle; the operator cannot know."""
+    st = stages(3)
+    st[0]["memory"] = "32Gi"
+    pipeline = render_children(make_body(stages=st))
+    other = render_children(make_body(stages=st, strategy=strategy, workload={"concurrency": 4}))
+    assert [c["metadata"]["name"] for c in other] == [c["metadata"]["name"] for c in pipeline]
+    for a, b in zip(by_kind(pipeline, "StatefulSet"), by_kind(other, "StatefulSet")):
+        assert memory_of(a) == memory_of(b)
+        ha = a["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
+        hb = b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
+        assert ha != hb and a == b  # only the plan differs
+
+
+def test_workload_reaches_the_plan_and_rolls_the_pods():
+    a = render_children(make_body(strategy="auto"))
+    b = render_children(make_body(strategy="auto", workload={"concurrency": 64, "promptTokens": 2048}))
+    plan = yaml.safe_load(b[0]["data"]["plan.yaml"])
+    assert plan["expected_concurrency"] == 64 and plan["expected_prompt_tokens"] == 2048
+    assert "expected_output_tokens" not in plan
+    sts_a, sts_b = by_kind(a, "StatefulSet")[0], by_kind(b, "StatefulSet")[0]
+    assert sts_a["spec"]["template"]["metadata"]["annotations"][names.PLAN_HASH] != \
+        sts_b["spec"]["template"]["metadata"]["annotations"][names.PLAN_HASH]
+
+
+def test_memory_quantities_add_exactly():
+    assert to_bytes("64Gi") == 64 * 2**30 and to_bytes("1.1Gi") == 1181116007 and to_bytes("2k") == 2000
+    assert from_bytes(to_bytes("64Gi") + to_bytes("32Gi")) == "96Gi"
+    assert from_bytes(to_bytes("512Mi") + to_bytes("512Mi")) == "1Gi"
+    assert from_bytes(1000) == "1000" and from_bytes(16 * 10**9) == "15625000Ki"
+    with pytest.raises(ValueError):
+        to_bytes("64GB")

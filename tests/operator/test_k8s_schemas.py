@@ -29,6 +29,16 @@ def test_rendered_children_are_valid_kubernetes_objects(version, mode, n, tp, re
         check(child, version)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("strategy", ["offload", "balanced", "auto"])
+def test_children_of_every_strategy_are_valid_kubernetes_objects(version, strategy):
+    st = stages(3)
+    st[0]["memory"] = "1.5Gi"  # offload adds the cpu stages' memory to it
+    body = make_body(stages=st, strategy=strategy, workload={"concurrency": 8, "promptTokens": 512})
+    for child in render_children(body, Settings(network_policy=True)):
+        check(child, version)
+
+
 def test_validator_is_not_vacuous():
     sts = next(c for c in render_children(make_body()) if c["kind"] == "StatefulSet")
     bad = copy.deepcopy(sts)

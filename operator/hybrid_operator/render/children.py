@@ -7,6 +7,7 @@ from typing import Any
 from ..defaults import with_defaults
 from ..plan import plan_hash
 from ..settings import Settings
+from ..strategy import running_stages
 from .configmap import render_configmap
 from .networkpolicy import render_network_policy
 from .services import render_client_service, render_peers_service
@@ -21,5 +22,6 @@ def render_children(body: dict[str, Any], settings: Settings | None = None) -> l
     children = [render_configmap(body), render_peers_service(body), render_client_service(body)]
     if settings.network_policy:
         children.append(render_network_policy(body))
-    children += [render_statefulset(body, i, settings, digest) for i in range(len(body["spec"]["stages"]))]
+    # offload: cpu stages get no pods; their layers live in a gpu pod (reconcile deletes a left-over StatefulSet).
+    children += [render_statefulset(body, i, settings, digest) for i in running_stages(body["spec"])]
     return children

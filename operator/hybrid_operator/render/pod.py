@@ -6,7 +6,9 @@ from typing import Any
 
 from .. import names
 from ..plan import MODEL_MOUNT
+from ..quantity import from_bytes, to_bytes
 from ..settings import MASTER_PORT, SUPERVISOR_PORT, Settings
+from ..strategy import offloaded_stages
 
 PLAN_DIR = "/etc/hybrid"
 CACHE_DIR = "/cache"
@@ -60,7 +62,8 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
     return env
 
 
-def _resources(stage: dict[str, Any]) -> dict[str, Any]:
+def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
+    stage = spec["stages"][index]
     extra = stage.get("resources", {})
     fixed: dict[str, Any] = {}
     if "cpus" in stage:
@@ -72,6 +75,12 @@ def _resources(stage: dict[str, Any]) -> dict[str, Any]:
     # requests == limits for everything we set: Guaranteed QoS, so the static CPU manager pins cores.
     limits = {**{k: str(v) for k, v in extra.get("limits", {}).items()}, **fixed}
     requests = {**{k: str(v) for k, v in extra.get("requests", {}).items()}, **fixed}
+    if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index)):
+        # offload: this pod's host RAM now holds the cpu stages' weights (pinned, streamed to the GPU).
+        if "memory" in stage:
+            limits["memory"] = requests["memory"] = from_bytes(to_bytes(stage["memory"]) + streamed)
+        else:  # no limit to grow: reserve the RAM on the node, leave the process itself unbounded
+            requests["memory"] = from_bytes(streamed)
     return {"requests": requests, "limits": limits}
 
 
@@ -201,7 +210,7 @@ def render_pod_template(body: dict[str, Any], index: int, settings: Settings, pl
         "args": ["serve", "--plan", f"{PLAN_DIR}/plan.yaml"],
         "env": env,
         "ports": _ports(spec, index),
-        "resources": _resources(stage),
+        "resources": _resources(spec, index),
         "volumeMounts": _mounts(spec),
         "securityContext": _container_security(),
         **_probes(index),
