@@ -132,8 +132,9 @@ def run_plain(model, extra, env):
         server.stop()
 
 
-def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline"):
+def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str | None = None, **env):
     tuning = cpu_tuning()
+    tuning["env"].update(env)
     gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
     cpu = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": len(parse_cpulist(tuning["env"]["HYBRID_CPUS"])),
            "memory": "24Gi"}
@@ -144,7 +145,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline"):
     gpu_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in cpu_cores)
     envs = [{**GPU_ENV, "HYBRID_CPUS": gpu_cores} if s["device"] == "gpu" else {**CPU_ENV, **tuning["env"]}
             for s in stages]
-    work = OUT / f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first"
+    work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
     with LocalPipeline(plan, work, envs) as pipe:
         ready = pipe.wait_ready(timeout=600)
         out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
@@ -164,6 +165,8 @@ CONFIGS = {
     "c-gpu-first": lambda m: run_pipeline(m, True),
     "c-cpu-first": lambda m: run_pipeline(m, False),
     "d-balanced": lambda m: run_pipeline(m, False, "balanced"),
+    # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
+    "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
 }
 
 

@@ -1,25 +1,69 @@
-"""gpu_bench.json -> markdown table + PNG plot (tokens/s by concurrency, each configuration)."""
+"""gpu_bench.json -> markdown (tokens/s, ratios to offload, TTFT, CPU-stage efficiency, what `auto`
+picks) + PNG plot. Usage: python bench/report.py [bench/results/gpu_bench.json]"""
 import json
 import sys
 from pathlib import Path
+
+from vllm_hybrid.plan import plan_from_dict
+from vllm_hybrid.planner import model_shape, split_layers
+from vllm_hybrid.strategy import Hardware, resolve
+from vllm_hybrid.tinymodel import LLAMA_3_1_8B
+
+ORDER = ("a-all-gpu", "b-offload", "b-offload-plain", "c-cpu-first", "c-gpu-first", "c-cpu-first-2batches", "d-balanced")
+SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
+PICKED = {"pipeline": "c-cpu-first", "offload": "b-offload", "balanced": "d-balanced"}
+
+
+def auto_pick(concurrency: int, dram_gbs: float) -> str:
+    """What `strategy: auto` runs for the CPU-first 16+16 plan at this concurrency on this box."""
+    plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "auto",
+                           "max_num_batched_tokens": 4096, "expected_concurrency": concurrency,
+                           "expected_prompt_tokens": 128, "expected_output_tokens": 128,
+                           "stages": [{"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "24Gi"},
+                                      {"name": "gpu", "device": "gpu", "layers": 16}]})
+    lay, _ = resolve(plan, split_layers(plan, SHAPE), Hardware(dram_gbs=dram_gbs))
+    return lay.strategy
+
+
+def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
+    """Concurrency 1: the CPU stage's weight bytes / DRAM bandwidth over its measured step time."""
+    run = r.get(name, {})
+    if "waves" not in run:
+        return None
+    cpu_index = 0 if "cpu-first" in name else 1
+    step_ms = run["waves"][0]["stage_forward_ms"][cpu_index]
+    weights = 16 * SHAPE.layer_bytes + (SHAPE.embedding_bytes if cpu_index == 1 else 0)  # + LM head when last
+    bound_ms = 1e3 * weights / (dram * 1e9)
+    return (f"{name}: CPU stage {step_ms:.1f} ms per step for {weights / 1e9:.2f} GB of weights; "
+            f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
 
 
 def main(path="bench/results/gpu_bench.json"):
     path = Path(path)
     r = json.loads(path.read_text())
-    configs = [k for k in ("a-all-gpu", "b-offload", "c-gpu-first", "c-cpu-first") if k in r and "waves" in r[k]]
+    dram = r.get("dram_read_gbs")
+    configs = [k for k in ORDER if "waves" in r.get(k, {})]
     conc = [w["concurrency"] for w in r[configs[0]]["waves"]]
-    rows = ["| concurrency | " + " | ".join(f"{c} tok/s" for c in configs) + " | best c / b |",
-            "|---" * (len(configs) + 2) + "|"]
+    at = lambda k, i, f="tok_per_s": r[k]["waves"][i][f]
+    pipes = [k for k in configs if k[0] in "cd"]
+    rows = ["| concurrency | " + " | ".join(configs) + " | best pipeline / b | auto picks | auto / best |",
+            "|---" * (len(configs) + 4) + "|"]
     for i, c in enumerate(conc):
-        vals = {k: r[k]["waves"][i]["tok_per_s"] for k in configs}
-        best_c = max((v for k, v in vals.items() if k.startswith("c-")), default=None)
-        ratio = f"{best_c / vals['b-offload']:.2f}x" if best_c and "b-offload" in vals else "-"
-        rows.append(f"| {c} | " + " | ".join(str(vals[k]) for k in configs) + f" | {ratio} |")
+        best = max(pipes, key=lambda k: at(k, i)) if pipes else None
+        b = at("b-offload", i) if "b-offload" in configs else None
+        ratio = f"{at(best, i) / b:.2f}x ({best})" if best and b else "-"
+        pick = auto_pick(c, dram)
+        picked = next((k for k in (PICKED[pick], f"{PICKED[pick]}-2batches") if k in configs), PICKED[pick])
+        top = max([at(k, i) for k in pipes] + ([b] if b else []))
+        auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"
+        rows.append(f"| {c} | " + " | ".join(f"{at(k, i):.2f}" for k in configs) + f" | {ratio} | {pick} | {auto} |")
+    rows.append("| TPOT ms, concurrency 1 / 64 | " + " | ".join(
+        f"{at(k, 0, 'tpot_ms')} / {at(k, len(conc) - 1, 'tpot_ms')}" for k in configs) + " | | | |")
     for n in ("1024", "4096"):
-        rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | |")
-    rows.append("| ready (s) | " + " | ".join(str(r[k]["ready_s"]) for k in configs) + " | |")
-    md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {r.get('dram_read_gbs')} GB/s\n"
+        rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | | | |")
+    rows.append("| ready (s) | " + " | ".join(str(r[k]["ready_s"]) for k in configs) + " | | | |")
+    effs = [e for k in configs if k.startswith("c-") and (e := cpu_stage_efficiency(r, k, dram))]
+    md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s\n\n" + "".join(f"- {e}\n" for e in effs)
     path.with_suffix(".md").write_text(md)
     try:
         import matplotlib

@@ -69,6 +69,7 @@ class Plan:
     expected_concurrency: int | None = None
     expected_prompt_tokens: int | None = None
     expected_output_tokens: int | None = None
+    hardware: tuple[tuple[str, float], ...] = ()  # strategy.Hardware overrides: measured figures of the box
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -132,10 +133,24 @@ def _stage(raw: Any, i: int) -> Stage:
     return Stage(name, device, tp, layers, cpus=cpus, memory_bytes=memory)
 
 
+def _hardware(raw: Any) -> tuple[tuple[str, float], ...]:
+    from .strategy import HARDWARE_KEYS
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise PlanError(f"hardware: expected a mapping of {', '.join(HARDWARE_KEYS)}")
+    for k, v in raw.items():
+        if k not in HARDWARE_KEYS:
+            raise PlanError(f"hardware.{k}: unknown field (known: {', '.join(HARDWARE_KEYS)})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise PlanError(f"hardware.{k}: expected a positive number, got {v!r}")
+    return tuple(sorted((k, float(v)) for k, v in raw.items()))
+
+
 def plan_from_dict(raw: Any) -> Plan:
     if not isinstance(raw, dict):
         raise PlanError(f"plan: expected a mapping at the top level, got {type(raw).__name__}")
-    known = set(_TOP_INT) | set(_TOP_STR) | {"stages", "extra_args"}
+    known = set(_TOP_INT) | set(_TOP_STR) | {"stages", "extra_args", "hardware"}
     unknown = set(raw) - known
     if unknown:
         raise PlanError(f"{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -159,6 +174,7 @@ def plan_from_dict(raw: Any) -> Plan:
     extra = raw.get("extra_args") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise PlanError("extra_args: expected a list of strings")
+    kwargs["hardware"] = _hardware(raw.get("hardware"))
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
         raise PlanError("stages: required, a non-empty list")
@@ -203,6 +219,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """Inverse of plan_from_dict (what the operator writes into the ConfigMap)."""
     out: dict[str, Any] = {k: getattr(plan, k) for k in (*_TOP_STR, *_TOP_INT) if getattr(plan, k) is not None}
     out["extra_args"] = list(plan.extra_args)
+    if plan.hardware:
+        out["hardware"] = dict(plan.hardware)
     stages = []
     for s in plan.stages:
         d: dict[str, Any] = {"name": s.name, "device": s.device, "tensor_parallel": s.tensor_parallel}

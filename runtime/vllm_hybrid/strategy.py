@@ -20,15 +20,19 @@ from .planner import Split
 
 @dataclass(frozen=True)
 class Hardware:
-    """Throughputs the cost model uses. Defaults: the H200 box of bench/results (16 Sapphire Rapids
-    cores with AMX, PCIe gen5), fitted to its measured runs; see bench/results/gpu_bench.md."""
-    pcie_gbs: float = 49.5            # streamed weights per step, effective (offload, concurrency 1)
-    offload_token_s: float = 0.0007   # a streamed step grows per token in the batch (UVA re-reads)
-    dram_gbs: float = 97.7            # host DRAM read bandwidth
-    cpu_decode_efficiency: float = 0.62  # share of that bandwidth a CPU stage's small-batch step reaches
-    cpu_decode_tflops_per_core: float = 0.11  # large decode batches: compute-bound
-    cpu_prefill_tflops_per_core: float = 0.23
-    gpu_step_s: float = 0.008         # a pipeline step's fixed cost: GPU stage, hops, scheduling
+    """Throughputs the cost model uses (plan key `hardware` overrides any). Defaults: the H200 box of
+    bench/results (16 vCPUs with AMX, PCIe gen5), fitted to its runs; see bench/results/README.md."""
+    dram_gbs: float = 93.7               # host DRAM read bandwidth (bench/gpu_bench.py measures it)
+    cpu_decode_efficiency: float = 0.87  # share of it a CPU stage's one-token step reaches (sgl kernel)
+    cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
+    cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
+    cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
+    pcie_gbs: float = 48.5               # weights streamed per step, effective (offload, one token)
+    offload_token_s: float = 0.0004      # and each token of a streamed step re-reads weights over UVA
+    gpu_step_s: float = 0.004            # a pipeline step's fixed cost: GPU stage, hops, scheduling
+
+
+HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -96,30 +100,35 @@ def _balanced_share(cpu_layers: int, hw: Hardware) -> int:
 def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware = Hardware()) -> float:
     """Output tokens/s of one wave of `concurrency` requests (all prefill, then decode) under `lay`."""
     shape, c = split.shape, work.concurrency
-    head_bytes = shape.embedding_bytes  # the LM head, read every step by the last stage
+    prompt = c * work.prompt_tokens
+    chunks = math.ceil(prompt / plan.max_num_batched_tokens)
     prefill = step = 0.0
-    streams = any(lay.offload_bytes)
-    chunks = math.ceil(c * work.prompt_tokens / plan.max_num_batched_tokens)
     for k, (i, n) in enumerate(zip(lay.stages, lay.layers)):
         stage = plan.stages[i]
-        weights = n * shape.layer_bytes + (head_bytes if k == len(lay.stages) - 1 else 0)
         if stage.is_cpu:
-            flops_per_token = weights  # 2 FLOP per weight, 2 bytes per bf16 weight
-            flops_per_token *= 2 / shape.dtype_bytes
+            # its layers, plus the LM head if it is the last stage (read every step)
+            weights = n * shape.layer_bytes + (shape.embedding_bytes if k == len(lay.stages) - 1 else 0)
+            flops_per_token = 2 * weights / shape.dtype_bytes
             cores = stage.cpus or 1
-            step += max(weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency),
+            step += max(weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)
+                        + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
                         c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
-            prefill += c * work.prompt_tokens * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12)
-        else:
+            prefill += prompt * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12)
+        elif lay.offload_bytes[k]:
             stream = lay.offload_bytes[k] / (hw.pcie_gbs * 1e9)
-            step += stream + (c * hw.offload_token_s if lay.offload_bytes[k] else 0.0)
-            prefill += chunks * stream
-    step += hw.gpu_step_s if len(lay.stages) > 1 or not streams else 0.0
+            step += stream + c * hw.offload_token_s
+            prefill += chunks * stream + prompt * hw.offload_token_s
+    step += hw.gpu_step_s if len(lay.stages) > 1 else 0.0
     return c * work.output_tokens / (prefill + work.output_tokens * step)
 
 
-def resolve(plan: Plan, split: Split, hw: Hardware = Hardware()) -> tuple[Layout, dict[str, float]]:
+def hardware_of(plan: Plan) -> Hardware:
+    return Hardware(**dict(plan.hardware))
+
+
+def resolve(plan: Plan, split: Split, hw: Hardware | None = None) -> tuple[Layout, dict[str, float]]:
     """The layout to run and the predicted tokens/s of each candidate at the expected workload."""
+    hw = hw or hardware_of(plan)
     work = workload_of(plan)
     candidates = ["pipeline"]
     if any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages):

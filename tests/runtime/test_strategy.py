@@ -60,3 +60,14 @@ def test_strategies_that_need_a_gpu_stage():
 def test_workload_must_fit_the_model_length():
     with pytest.raises(PlanError, match="expected_prompt_tokens \\+ expected_output_tokens"):
         planned([GPU, CPU], expected_prompt_tokens=8000, expected_output_tokens=500)
+
+
+def test_hardware_figures_from_the_plan_steer_the_choice():
+    slow_pcie = {"pcie_gbs": 5.0, "offload_token_s": 0.001}
+    plan, split = planned([CPU, GPU], strategy="auto", expected_concurrency=64, hardware=slow_pcie)
+    assert dict(plan.hardware) == slow_pcie
+    assert resolve(plan, split)[0].strategy == "pipeline"  # streaming at 5 GB/s loses even at 64
+    with pytest.raises(PlanError, match="hardware.pcie: unknown field"):
+        planned([CPU, GPU], hardware={"pcie": 50})
+    with pytest.raises(PlanError, match="hardware.dram_gbs: expected a positive number"):
+        planned([CPU, GPU], hardware={"dram_gbs": "fast"})
