@@ -44,11 +44,11 @@ def envs_for(stages, cpu_cpus="1-7"):
     return [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus} for s in stages]
 
 
-def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",)):
+def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7"):
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512,
             "extra_args": list(extra_args), "stages": stages, **local_ports()}
-    with LocalPipeline(plan, OUT / name, envs_for(stages)) as pipe:
+    with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus)) as pipe:
         ready = pipe.wait_ready()
         outs = []
         for p in PROMPTS:
@@ -71,6 +71,19 @@ def test_float32_identity(tiny, order):
     got, ready = run_pipeline(tiny, stages, "float32", f"f32-{order}")
     RESULTS[f"float32_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1), "prompts": len(PROMPTS),
                                    "tokens_each": MAX_TOKENS}
+    assert got == ref
+
+
+@pytest.mark.gpu2
+def test_tensor_parallel_2_on_a_gpu_stage_and_a_cpu_stage(tiny):
+    """Two GPUs (nvidia-h200-x2): stage 0 TP 2 on CUDA (PyNccl inside the stage), stage 1 TP 2 on the CPU."""
+    ref = [r["ids"] for r in reference(tiny, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    stages = [{**stage("gpu", 1), "tensor_parallel": 2}, {**stage("cpu", 3, cpus=8), "tensor_parallel": 2}]
+    got, ready = run_pipeline(tiny, stages, "float32", "f32-tp2", cpu_cpus="2-9")
+    logs = [(OUT / "f32-tp2" / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
+    workers = {i: sorted(set(w for w in ("TP0", "TP1") if f"Worker_PP{i}_{w}" in logs[i])) for i in (0, 1)}
+    RESULTS["float32_tp2_gpu_cpu"] = {"identical": got == ref, "ready_s": round(ready, 1), "workers": workers}
+    assert workers == {0: ["TP0", "TP1"], 1: ["TP0", "TP1"]}
     assert got == ref
 
 
