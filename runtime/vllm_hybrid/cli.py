@@ -93,7 +93,14 @@ def cmd_serve(args) -> int:
     if argv is None:
         # the strategy streams this CPU stage's layers from the GPU pod's RAM: nothing to run here
         print(f"vllm-hybrid: stage {ident.stage} is not used under strategy {summary['strategy']}; idle", flush=True)
-        return 0 if args.dry_run else idle()
+        if args.dry_run:
+            return 0
+        from .stage_metrics import serve_unused, stage_labels
+        port = int(os.environ.get("HYBRID_METRICS_PORT", plan.metrics_port))
+        labels = stage_labels({**os.environ, "HYBRID_STAGE": str(ident.stage), "HYBRID_REPLICA": str(ident.replica),
+                               "HYBRID_STAGE_NAME": plan.stages[ident.stage].name})
+        serve_unused(port, labels, summary["strategy"])
+        return idle()
     if args.dry_run:
         print(" ".join(argv))
         return 0
@@ -111,7 +118,9 @@ def cmd_serve(args) -> int:
 
 def idle() -> int:
     import signal
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # sigwait takes them only while blocked
+    signal.sigwait(stop)
     return 0
 
 

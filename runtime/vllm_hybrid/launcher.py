@@ -123,6 +123,10 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
             "VLLM_CPU_OMP_THREADS_BIND": binding.omp_bind,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the reserve is already left out of omp_bind
         })
+        # AMX CPUs: sgl-kernel GEMMs read the weights at 87% of DRAM bandwidth at batch 1 against oneDNN's
+        # 73% (bench/results/cpu_kernels.json); oneDNN wins from batch ~64 and in prefill, where `auto`
+        # streams to the GPU instead. vLLM ignores it where the CPU has no AMX. Overridable per stage.
+        env.setdefault("VLLM_CPU_SGL_KERNEL", "1")
     return env
 
 

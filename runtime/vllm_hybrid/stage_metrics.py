@@ -105,3 +105,12 @@ def start(num_blocks: int, device: str, tp_rank: int, env=os.environ) -> StageMe
         start_http_server(int(port), registry=m.registry)
     _METRICS = m
     return m
+
+
+def serve_unused(port: int, labels: dict[str, str], strategy: str) -> StageMetrics:
+    """A stage the strategy leaves out (its layers stream from the GPU pod's RAM) still answers on its
+    metrics port: its pod's probes check that port, and dashboards show why it holds no layers."""
+    m = StageMetrics(labels)
+    m.info.info({"device": "unused", "layers": "", "strategy": strategy})
+    start_http_server(port, registry=m.registry)
+    return m

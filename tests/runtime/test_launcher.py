@@ -1,6 +1,10 @@
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import yaml
@@ -24,6 +28,12 @@ def build(stage, env=None):
                                "HYBRID_HOST_IP": "10.0.0.5", **(env or {})}, stage=stage)
     binding = plan_binding(list(range(16)), {0: list(range(16))}) if plan.stages[stage].is_cpu else None
     return vllm_command(plan, split, ident, python="py"), vllm_env(plan, split, ident, binding, {"PATH": "/bin"}), binding
+
+
+def _built(stage):
+    plan = plan_from_dict(PLAN)
+    ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=stage)
+    return plan, split_layers(plan, model_shape(LLAMA_8B)), ident, plan_binding(list(range(16)), {0: list(range(16))})
 
 
 def flag(argv, name):
@@ -54,6 +64,9 @@ def test_cpu_stage_is_headless_with_cpu_env():
     # 64Gi - 3Gi runtime reserve - 16 layers (6.5 GiB) - LM head (0.98 GiB) -> 53 whole GiB of KV
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "53"
     assert env["HYBRID_LAYER_RANGE"] == "16-31"
+    assert env["VLLM_CPU_SGL_KERNEL"] == "1" and env["HYBRID_BATCHES_IN_FLIGHT"] == "1"
+    assert build(1, env={})[1]["HYBRID_PIPELINE_RANK"] == "1"
+    assert vllm_env(*_built(1), {"VLLM_CPU_SGL_KERNEL": "0"})["VLLM_CPU_SGL_KERNEL"] == "0"  # a stage may opt out
 
 
 def test_same_settings_pinned_on_every_stage():
@@ -111,3 +124,29 @@ def test_cli_dry_run_and_errors(tiny_llama, tmp_path):
     path.write_text(yaml.safe_dump({**plan, "model": str(tmp_path / "nope")}))
     r = run_cli("plan", "--plan", str(path))
     assert r.returncode == 2 and "missing model files" in r.stderr
+
+
+def test_stage_left_out_by_offload_idles_with_metrics(tiny_llama, tmp_path):
+    from vllm_hybrid.local import free_port
+    port = free_port()
+    plan = {**PLAN, "model": str(tiny_llama), "dtype": "float32", "max_model_len": 512, "strategy": "offload",
+            "stages": [{"name": "gpu", "device": "gpu", "layers": 2}, {"name": "cpu", "device": "cpu", "layers": 2,
+                                                                      "cpus": 1, "memory": "4Gi"}]}
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "HYBRID_METRICS_PORT": str(port), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.cli", "serve", "--plan", str(tmp_path / "plan.yaml"),
+                             "--stage", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        text = ""
+        for _ in range(100):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                time.sleep(0.3)
+        assert 'device="unused"' in text and 'strategy="offload"' in text and 'stage="1"' in text
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "not used under strategy offload" in out
