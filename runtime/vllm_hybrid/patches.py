@@ -5,6 +5,7 @@ Each patch names the upstream function it replaces and why. They are applied by 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -29,6 +30,17 @@ class _TimedRecv:
         out = self.handle.wait(*args, **kwargs)
         self.metrics.transfer("recv", self.nbytes, time.perf_counter() - t0)
         return out
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, value):
+    """A module global replaced for the duration of one upstream call."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def _is_pp(group) -> bool:
@@ -162,12 +174,9 @@ def patch_response_queue_locality(multiproc_executor) -> None:
 
     @functools.wraps(original)
     def _init_message_queues(self, input_shm_handle, vllm_config):
-        platform = shm_broadcast.current_platform
-        shm_broadcast.current_platform = _NodeSized(platform, vllm_config.parallel_config.local_world_size)
-        try:
+        node = _NodeSized(shm_broadcast.current_platform, vllm_config.parallel_config.local_world_size)
+        with _swapped(shm_broadcast, "current_platform", node):
             return original(self, input_shm_handle, vllm_config)
-        finally:
-            shm_broadcast.current_platform = platform
 
     cls._init_message_queues = _init_message_queues
     APPLIED.append("WorkerProc._init_message_queues(node = local_world_size ranks)")
@@ -192,11 +201,8 @@ def patch_dummy_weights_once(dummy_loader) -> None:
             if fresh:
                 original_init(_Tensors(fresh), *args, **kwargs)
 
-        dummy_loader.initialize_dummy_weights = once
-        try:
+        with _swapped(dummy_loader, "initialize_dummy_weights", once):
             return original_load(self, model, model_config)
-        finally:
-            dummy_loader.initialize_dummy_weights = original_init
 
     cls.load_weights = load_weights
     APPLIED.append("DummyModelLoader.load_weights(fill each tensor once)")
