@@ -27,9 +27,9 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def strategy_line(plan, split) -> str:
+def strategy_line(plan, split, api_stage=None) -> str:
     from .strategy import resolve, workload_of
-    lay, estimates = resolve(plan, split)
+    lay, estimates = resolve(plan, split, api_stage=api_stage)
     w = workload_of(plan)
     guess = ", ".join(f"{k} {v:.1f}" for k, v in estimates.items())
     return (f"strategy: {plan.strategy} -> {lay.strategy}; partition {lay.partition}, streamed GiB "
@@ -66,8 +66,10 @@ def build_stage(args, env: dict[str, str]):
         raise PlanError(f"stage: {ident.stage} is out of range, the plan has {len(plan.stages)} stages")
     from .strategy import resolve
     split = split_layers(plan, model_shape(read_model_config(plan.model), plan.dtype), args.gpu_memory)
-    lay, _ = resolve(plan, split)
-    log.info(strategy_line(plan, split))
+    # set by the operator: its client Service sends requests to stage 0's pods
+    api_stage = int(env["HYBRID_API_STAGE"]) if env.get("HYBRID_API_STAGE") else None
+    lay, _ = resolve(plan, split, api_stage=api_stage)
+    log.info(strategy_line(plan, split, api_stage))
     if ident.stage not in lay.stages:
         return plan, ident, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)

@@ -126,14 +126,22 @@ def hardware_of(plan: Plan) -> Hardware:
     return Hardware(**dict(plan.hardware))
 
 
-def resolve(plan: Plan, split: Split, hw: Hardware | None = None) -> tuple[Layout, dict[str, float]]:
-    """The layout to run and the predicted tokens/s of each candidate at the expected workload."""
+def resolve(plan: Plan, split: Split, hw: Hardware | None = None,
+            api_stage: int | None = None) -> tuple[Layout, dict[str, float]]:
+    """The layout to run and the predicted tokens/s of each candidate at the expected workload.
+    api_stage: the plan stage that must serve the API where the deployment fixes it (Kubernetes
+    routes clients to stage 0's pods), so layouts that leave it out are not candidates."""
     hw = hw or hardware_of(plan)
     work = workload_of(plan)
     candidates = ["pipeline"]
     if any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages):
         candidates += ["offload", "balanced"]
     lays = {name: layout(plan, split, name, hw) for name in candidates}
+    if api_stage is not None:
+        lays = {name: lay for name, lay in lays.items() if lay.stages[0] == api_stage}
+        if plan.strategy not in ("auto", *lays):
+            raise PlanError(f"strategy: {plan.strategy} would serve the API from another stage than stage "
+                            f"{api_stage} ({plan.stages[api_stage].name}); put a gpu stage first")
     estimates = {name: round(predict(plan, split, lay, work, hw), 2) for name, lay in lays.items()}
     if plan.strategy == "auto":
         return lays[max(estimates, key=estimates.get)], estimates

@@ -71,3 +71,14 @@ def test_hardware_figures_from_the_plan_steer_the_choice():
         planned([CPU, GPU], hardware={"pcie": 50})
     with pytest.raises(PlanError, match="hardware.dram_gbs: expected a positive number"):
         planned([CPU, GPU], hardware={"dram_gbs": "fast"})
+
+
+def test_a_deployment_that_routes_clients_to_stage_0_keeps_it_serving():
+    plan, split = planned([CPU, GPU], strategy="auto", expected_concurrency=64, expected_prompt_tokens=128,
+                          expected_output_tokens=128)
+    assert resolve(plan, split)[0].strategy == "offload"  # local runs: the GPU stage may serve the API
+    lay, _ = resolve(plan, split, api_stage=0)  # Kubernetes: stage 0's pods get the requests
+    assert lay.stages[0] == 0 and lay.strategy in ("pipeline", "balanced")
+    with pytest.raises(PlanError, match="would serve the API from another stage than stage 0"):
+        resolve(*planned([CPU, GPU], strategy="offload"), api_stage=0)
+    assert resolve(*planned([GPU, CPU], strategy="offload"), api_stage=0)[0].stages == (0,)
