@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,16 +15,29 @@ from pathlib import Path
 import yaml
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int] = frozenset()) -> int:
+    """A free port below the ephemeral range: vLLM's processes open many outgoing sockets while
+    they start, and one of them could take an ephemeral port a stage is about to listen on."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    while True:
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def local_ports() -> dict[str, int]:
     ports: set[int] = set()
     while len(ports) < 4:
-        ports.add(free_port())
+        ports.add(free_port(ports))
     api, master, sup, metrics = sorted(ports)
     return {"api_port": api, "master_port": master, "supervisor_port": sup, "metrics_port": metrics}
 
@@ -39,8 +53,10 @@ class LocalPipeline:
         self.stage_envs = stage_envs or [{} for _ in plan["stages"]]
         self.procs: list[subprocess.Popen] = []
         # stage i's metrics endpoint; distinct ports since all stages share this host
-        self.metrics_ports = [plan.get("metrics_port", 9100) if i == 0 else free_port()
-                              for i in range(len(plan["stages"]))]
+        taken = {plan.get(k) for k in ("api_port", "master_port", "supervisor_port", "metrics_port")}
+        self.metrics_ports = [plan.get("metrics_port", 9100)]
+        for _ in plan["stages"][1:]:
+            self.metrics_ports.append(free_port(taken | set(self.metrics_ports)))
 
     @property
     def url(self) -> str:
