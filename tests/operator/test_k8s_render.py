@@ -57,6 +57,7 @@ def test_children_for_every_shape(mode, n_stages, tp, replicas):
         assert env["HYBRID_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == \
             "metadata.labels['apps.kubernetes.io/pod-index']"
         assert env["HYBRID_MASTER_ADDR"]["value"] == "llama-gpu-{replica}.llama-peers.ml.svc.cluster.local"
+        assert env["HYBRID_API_STAGE"]["value"] == "0"  # what the client Service selects
         assert env["HYBRID_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert c["command"] == ["vllm-hybrid"] and c["args"] == ["serve", "--plan", "/etc/hybrid/plan.yaml"]
         res = c["resources"]

@@ -47,6 +47,8 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
         {"name": "HYBRID_STAGE", "value": str(index)},
         _field_env("HYBRID_REPLICA", f"metadata.labels['{names.POD_INDEX_LABEL}']"),
         {"name": "HYBRID_MASTER_ADDR", "value": master_addr(body, settings)},
+        # the client Service sends requests to stage 0's pods: `auto` must keep that stage serving
+        {"name": "HYBRID_API_STAGE", "value": "0"},
         _field_env("HYBRID_HOST_IP", "status.podIP"),
         {"name": "HOME", "value": "/tmp"},  # read-only root fs: every tool's dotfiles go to /tmp
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
