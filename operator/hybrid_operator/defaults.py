@@ -10,6 +10,7 @@ from typing import Any
 MODEL = {"dtype": "bfloat16", "maxModelLen": 4096, "loadFormat": "auto"}
 SPEC = {"replicas": 1, "strategy": "pipeline"}
 STAGE = {"tensorParallel": 1}
+ENV_VAR = {"value": ""}
 SHARED_MEMORY = {"mode": "hostPath"}
 SERVING = {"port": 8000, "maxNumSeqs": 64, "blockSize": 128, "extraArgs": []}
 IMAGES = {"pullPolicy": "IfNotPresent"}
@@ -34,6 +35,8 @@ def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
         _fill(model["tokenSecretRef"], {"key": SECRET_KEYS["tokenSecretRef"]})
     for stage in spec.setdefault("stages", []):
         _fill(stage, STAGE)
+        for var in stage.get("env", []):
+            _fill(var, ENV_VAR)
     _fill(spec.setdefault("sharedMemory", {}), SHARED_MEMORY)
     serving = _fill(spec.setdefault("serving", {}), SERVING)
     if "apiKeySecretRef" in serving:

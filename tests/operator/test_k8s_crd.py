@@ -14,6 +14,7 @@ from crd_validation import (
 )
 from hi_fixtures import CHART, CPU, CRD_PATH, GPU, ROOT, make_body, stages
 from hybrid_operator import defaults
+from hybrid_operator.render import render_children
 
 
 def body_with(mutate=None, name="llama", **spec):
@@ -101,6 +102,27 @@ INVALID = [
     ("unknown-field", body_with(serving={"maxTokens": 5}), "maxTokens"),
     ("too-many-stages", body_with(stages=stages(2) + [dict(stages(3)[2], name=f"c{i}") for i in range(7)]),
      "spec.stages"),
+    ("env-duplicate-names",
+     body_with(set_in(["stages", 1, "env"], [{"name": "OMP_NUM_THREADS", "value": "8"},
+                                             {"name": "OMP_NUM_THREADS", "value": "16"}])),
+     "spec.stages[].env names must be unique within a stage"),
+    ("env-shadows-operator-identity", body_with(set_in(["stages", 1, "env"], [{"name": "HYBRID_STAGE", "value": "0"}])),
+     "spec.stages[].env must not set a variable the operator sets"),
+    ("env-api-key-in-plain-text", body_with(set_in(["stages", 0, "env"], [{"name": "VLLM_API_KEY", "value": "s"}])),
+     "use spec.serving.apiKeySecretRef"),
+    ("env-name-not-identifier", body_with(set_in(["stages", 1, "env"], [{"name": "MY-VAR", "value": "1"}])),
+     "spec.stages[1].env[0].name"),
+    ("env-name-starts-with-digit", body_with(set_in(["stages", 1, "env"], [{"name": "1VAR"}])),
+     "spec.stages[1].env[0].name"),
+    ("env-without-name", body_with(set_in(["stages", 1, "env"], [{"value": "1"}])), "'name' is a required property"),
+    ("env-unquoted-number-value", body_with(set_in(["stages", 1, "env"], [{"name": "N", "value": 2}])),
+     "spec.stages[1].env[0].value"),
+    ("env-value-from", body_with(set_in(["stages", 1, "env"], [{"name": "N", "valueFrom": {"fieldRef": {}}}])),
+     "valueFrom"),
+    ("env-value-too-long", body_with(set_in(["stages", 1, "env"], [{"name": "N", "value": "x" * 4097}])),
+     "spec.stages[1].env[0].value"),
+    ("too-many-env", body_with(set_in(["stages", 1, "env"], [{"name": f"V{i}"} for i in range(33)])),
+     "spec.stages[1].env"),
 ]
 
 
@@ -128,6 +150,11 @@ VALID = {
         strategy="auto", workload={"concurrency": 4096, "promptTokens": 4000, "outputTokens": 96}),
     "auto-partial-workload": make_body(strategy="auto", workload={"concurrency": 1}),
     "auto-gpu-only": make_body(strategy="auto", stages=stages(1), workload={}),
+    "stage-env": make_body(stages=[
+        dict(GPU, env=[{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"}, {"name": "http_proxy", "value": ""}]),
+        dict(CPU, env=[{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "_FLAG"},  # value defaults to ""
+                       {"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "x" * 4096}]
+             + [{"name": f"V{i}"} for i in range(29)])]),  # 32 entries; a name may repeat across stages
     "hf-repo": make_body(model={"repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": "main",
                                 "tokenSecretRef": {"name": "hf"}}),
     "everything": make_body(
@@ -177,6 +204,27 @@ def test_every_cel_rule_fires_on_some_invalid_spec_and_passes_on_valid_ones():
     assert set(all_rules()) == fired
     for body in VALID.values():  # and every rule holds on valid specs (validate() evaluates all)
         assert validate(body) == []
+
+
+def test_every_variable_the_operator_sets_is_refused_in_stage_env():
+    """The CEL list follows render/pod.py: a variable the operator starts setting must be added to it."""
+    body = make_body(model={"repo": "org/model", "tokenSecretRef": {"name": "hf"}},
+                     serving={"apiKeySecretRef": {"name": "api"}},
+                     stages=[dict(GPU, numaNode=0), dict(CPU, numaNode=1)])
+    operator_set = {e["name"] for sts in render_children(body) if sts["kind"] == "StatefulSet"
+                    for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"HYBRID_STAGE", "HYBRID_REPLICA", "HYBRID_NUMA_NODE", "HF_TOKEN", "VLLM_API_KEY"} <= operator_set
+    for name in sorted(operator_set):
+        errors = validate(body_with(set_in(["stages", 1, "env"], [{"name": name, "value": "x"}])))
+        assert any("must not set a variable the operator sets" in e for e in errors), name
+
+
+def test_env_value_defaults_to_empty_like_the_crd():
+    spec = {"model": {"path": "m", "volume": {"claimName": "c"}},
+            "stages": [dict(CPU, env=[{"name": "A"}, {"name": "B", "value": "1"}])]}
+    from_crd = apply_defaults(crd_schema()["properties"]["spec"], yaml.safe_load(yaml.safe_dump(spec)))
+    assert from_crd["stages"][0]["env"] == [{"name": "A", "value": ""}, {"name": "B", "value": "1"}]
+    assert defaults.with_defaults(spec) == from_crd
 
 
 def test_cel_rules_are_standard_cel_with_messages_naming_fields():

@@ -152,6 +152,29 @@ def test_stage_extras_nodeselector_tolerations_resources_numa_and_images():
     assert gpu["spec"]["template"]["spec"]["containers"][0]["image"] == "def/gpu:2"
 
 
+def test_stage_env_follows_the_operators_own_on_that_stage_only():
+    plain = by_kind(render_children(make_body()), "StatefulSet")
+    st = stages(2)
+    st[1]["env"] = [{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"},
+                    {"name": "EMPTY"}]
+    gpu, cpu = by_kind(render_children(make_body(stages=st)), "StatefulSet")
+    containers = [sts["spec"]["template"]["spec"]["containers"][0] for sts in (plain[0], plain[1], gpu, cpu)]
+    assert containers[3]["env"] == containers[1]["env"] + [
+        {"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"},
+        {"name": "EMPTY"}]  # no `value: ""`: the apiserver drops it, and apply would then never converge
+    assert containers[2]["env"] == containers[0]["env"]
+
+
+def test_changing_stage_env_rolls_that_stage():
+    def stateful_sets(value):
+        st = stages(2)
+        st[1]["env"] = [{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": value}]
+        return by_kind(render_children(make_body(stages=st)), "StatefulSet")
+    (gpu_a, cpu_a), (gpu_b, cpu_b) = stateful_sets("1"), stateful_sets("2")
+    assert cpu_a["spec"]["template"] != cpu_b["spec"]["template"]  # a new pod template: the StatefulSet rolls
+    assert gpu_a == gpu_b  # the other stage's pods re-form by group restart, not by a template change
+
+
 def test_network_policy_only_when_enabled():
     assert not by_kind(render_children(make_body()), "NetworkPolicy")
     (np,) = by_kind(render_children(make_body(), Settings(network_policy=True)), "NetworkPolicy")

@@ -39,6 +39,15 @@ def test_children_of_every_strategy_are_valid_kubernetes_objects(version, strate
         check(child, version)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stage_env_renders_valid_containers(version):
+    st = stages(2)
+    st[0]["env"] = [{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"}, {"name": "EMPTY", "value": ""}]
+    st[1]["env"] = [{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "_X"}]
+    for child in render_children(make_body(stages=st)):
+        check(child, version)
+
+
 def test_validator_is_not_vacuous():
     sts = next(c for c in render_children(make_body()) if c["kind"] == "StatefulSet")
     bad = copy.deepcopy(sts)

@@ -61,7 +61,14 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
         env.append(_secret_env("HF_TOKEN", model["tokenSecretRef"]))
     if "apiKeySecretRef" in spec["serving"]:
         env.append(_secret_env("VLLM_API_KEY", spec["serving"]["apiKeySecretRef"]))  # never in args
+    # after the operator's own, so a later $(VAR) reference can use them; the CRD forbids shadowing them
+    env.extend(_user_env(var) for var in stage.get("env", []))
     return env
+
+
+def _user_env(var: dict[str, str]) -> dict[str, str]:
+    # the apiserver drops an empty value; rendering it would never match the live object and patch forever
+    return {"name": var["name"], "value": var["value"]} if var["value"] else {"name": var["name"]}
 
 
 def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
