@@ -19,7 +19,7 @@ demo:
 	$(VENV)/bin/vllm-hybrid demo
 
 lint:
-	$(VENV)/bin/ruff check runtime operator tests scripts
+	$(VENV)/bin/ruff check runtime operator tests scripts bench
 	$(VENV)/bin/helm lint charts/hybrid-inference
 
 bench:
