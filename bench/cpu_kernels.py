@@ -15,7 +15,7 @@ import time
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 16))
-MS = [1, 4, 16, 64, 1024]  # decode batch sizes; 1024: a prefill chunk
+MS = [int(m) for m in os.environ.get("HYBRID_BENCH_MS", "1,2,3,4,5,8,16,32,48,64,128,512,1024").split(",")]  # decode batches; 512+: prefill chunks
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -55,6 +55,14 @@ def kernels(torch):
     if all(check_cpu_sgl_kernel(n, k, torch.bfloat16) for n, k in SHAPES):
         yield "sgl", lambda w: (lambda x, p=torch.ops._C.convert_weight_packed(w):
                                 torch.ops._C.weight_packed_linear(x, p, None, True))
+        # the same kernel with 2-4 rows padded to 5: its AMX path (brgemm) instead of the avx512 one
+        yield "sgl_pad5", lambda w: (lambda x, p=torch.ops._C.convert_weight_packed(w):
+                                     torch.ops._C.weight_packed_linear(pad_rows(x, 5), p, None, True)[:x.shape[0]])
+
+
+def pad_rows(x, rows: int):
+    import torch
+    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def measure() -> dict:

@@ -75,6 +75,10 @@ def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
     return {"waves": waves, "ttft_s": ttft}
 
 
+# bench/cpu_kernels.py's kernel names -> the CPU stage's env (the launcher's default is sgl)
+KERNEL_ENV = {"onednn": {"VLLM_CPU_SGL_KERNEL": "0"}, "sgl": {"VLLM_CPU_SGL_KERNEL": "1"}}
+
+
 def cpu_tuning() -> dict:
     """CPU-stage env from bench/cpu_kernels.py's results: the fastest kernel and placement over
     decode batches (default: vLLM's oneDNN on CPUs 1-15)."""
@@ -84,13 +88,11 @@ def cpu_tuning() -> dict:
         runs = json.loads(path.read_text())["placements"]
         # decode batches 1-16 count fully (where a CPU stage can beat streaming), 64 a quarter
         scored = [(k["1"]["ms"] + k["4"]["ms"] + k["16"]["ms"] + k["64"]["ms"] / 4, name, place, r["cpu_list"])
-                  for place, r in runs.items() for name, k in r.get("kernels", {}).items() if name != "torch"]
+                  for place, r in runs.items() for name, k in r.get("kernels", {}).items() if name in KERNEL_ENV]
         if scored:
             _, *best = min(scored)
     kernel, placement, cpus = best
-    env = {"HYBRID_CPUS": ",".join(map(str, cpus)) if cpus else "1-15"}
-    if kernel == "sgl":
-        env["VLLM_CPU_SGL_KERNEL"] = "1"
+    env = {"HYBRID_CPUS": ",".join(map(str, cpus)) if cpus else "1-15", **KERNEL_ENV[kernel]}
     return {"kernel": kernel, "placement": placement, "env": env}
 
 

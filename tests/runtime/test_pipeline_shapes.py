@@ -2,9 +2,10 @@
 tensor parallelism inside every stage (2 stages x TP 2, four CPU workers) and three stages."""
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from pipelines import MAX_TOKENS, PROMPTS, plan_for
+from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, plan_for
 from vllm_hybrid.local import LocalPipeline, post_json
 
 pytestmark = pytest.mark.slow
@@ -52,3 +53,21 @@ def test_three_stages_match_single_process(tiny_llama, reference_ids, tmp_path):
         pipe.stop()
     assert layers == ["0-0", "1-1", "2-3"]
     assert got == reference_ids
+
+
+def test_compiled_stages_match_single_process(tiny_llama, reference_ids, tmp_path):
+    # the other tests run eager for speed; vLLM compiles CPU models by default (traced once for
+    # every batch size): sequential requests (1 row per step) and concurrent ones give the same tokens
+    plan = plan_for(tiny_llama, extra_args=[])
+    pipe = LocalPipeline(plan, tmp_path, CPU_ENVS).start()
+    try:
+        pipe.wait_ready(timeout=900)
+        alone = [complete(pipe, p) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: complete(pipe, p), PROMPTS))
+        logs = [pipe.log(i) for i in (0, 1)]
+    finally:
+        pipe.stop()
+    assert all("AOT compil" in log for log in logs)  # each stage compiled its model (or loaded it)
+    assert alone == reference_ids
+    assert together == reference_ids
