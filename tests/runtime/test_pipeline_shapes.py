@@ -1,5 +1,6 @@
 """Other pipeline shapes give exactly the greedy tokens of single-process vLLM on the same weights:
-tensor parallelism inside every stage (2 stages x TP 2, four CPU workers) and three stages."""
+tensor parallelism inside every stage (2 stages x TP 2, four CPU workers), three stages, and
+compiled (not eager) CPU stages."""
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
