@@ -1,13 +1,21 @@
 """What spec.strategy changes in the pods (the runtime's vllm_hybrid/strategy.py decides the rest). Pure.
 
 offload runs the gpu stages only: each cpu stage's layers sit in the host RAM of a gpu stage and are
-streamed to its GPU. pipeline and balanced run every stage. auto lets the runtime pick one of the three
-from the model size, which the operator never reads, so auto renders every stage like pipeline (if the
-runtime then picks offload, the cpu-stage pods stay up idle).
+streamed to its GPU, which computes them. balanced runs every stage and each cpu stage keeps its layers,
+but splits every matrix product row-wise with a GEMM helper that a gpu stage's launcher starts in its pod:
+the CPU computes some rows from its DRAM while the helper streams the others from a pinned copy of the
+weights in that pod's host RAM to its GPU (they talk through the replica's shared /dev/shm). So under
+both the gpu stage's pod holds the cpu stages' weights; only offload moves their layers. pipeline runs
+every stage on its own. auto lets the runtime pick one of the three from the model size, which the
+operator never reads, so auto renders every stage like pipeline (if the runtime then picks offload, the
+cpu-stage pods stay up idle).
 """
 from __future__ import annotations
 
 from typing import Any
+
+# Strategies under which a gpu stage's pod holds cpu stages' weights in its host RAM.
+STREAMING_STRATEGIES = ("offload", "balanced")
 
 
 def running_stages(spec: dict[str, Any]) -> list[int]:
@@ -18,23 +26,30 @@ def running_stages(spec: dict[str, Any]) -> list[int]:
     return [i for i, s in enumerate(stages) if s["device"] == "gpu"]
 
 
-def offload_target(stages: list[dict[str, Any]], index: int) -> int:
-    """The gpu stage holding cpu stage `index`'s layers under offload: the nearest one before it, else
-    the first (the runtime's choice in vllm_hybrid.strategy.layout: layers stay contiguous)."""
+def streaming_gpu_stage(stages: list[dict[str, Any]], index: int) -> int:
+    """The gpu stage that streams cpu stage `index`'s weights (offload: its layers; balanced: its GEMM
+    helper): the nearest one before it, else the first (the runtime's rule: layers stay contiguous)."""
     gpus = [i for i, s in enumerate(stages) if s["device"] == "gpu"]
     return max((i for i in gpus if i < index), default=min(gpus))
 
 
-def offloaded_stages(spec: dict[str, Any], index: int) -> list[int]:
-    """The cpu stages whose layers gpu stage `index` streams under offload (none for other strategies)."""
+def streamed_stages(spec: dict[str, Any], index: int) -> list[int]:
+    """The cpu stages whose weights gpu stage `index` holds in host RAM and streams to its GPU (offload
+    and balanced; none for pipeline and auto, and none for a cpu stage `index`)."""
     stages = spec["stages"]
-    if spec["strategy"] != "offload" or stages[index]["device"] != "gpu":
+    if spec["strategy"] not in STREAMING_STRATEGIES or stages[index]["device"] != "gpu":
         return []
-    return [i for i, s in enumerate(stages) if s["device"] == "cpu" and offload_target(stages, i) == index]
+    return [i for i, s in enumerate(stages) if s["device"] == "cpu" and streaming_gpu_stage(stages, i) == index]
+
+
+def offloaded_stages(spec: dict[str, Any], index: int) -> list[int]:
+    """The cpu stages whose layers gpu stage `index` computes: offload only (balanced leaves every layer
+    on its cpu stage and moves only GEMM rows)."""
+    return streamed_stages(spec, index) if spec["strategy"] == "offload" else []
 
 
 def running_layers(spec: dict[str, Any]) -> list[int | None]:
-    """Layers each running stage computes (offload: its own plus the streamed ones); None when unset."""
+    """Layers each running stage computes (offload: its own plus the offloaded ones); None when unset."""
     stages = spec["stages"]
     if not stages or not all("layers" in s for s in stages):
         return [None] * len(running_stages(spec))

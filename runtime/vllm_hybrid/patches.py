@@ -279,6 +279,41 @@ def patch_worker_step_metrics(gpu_worker) -> None:
     APPLIED.append("Worker.execute_model(stage metrics)")
 
 
+def patch_split_gemm(layer_utils, cpu_model_runner) -> None:
+    # vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm picks each linear layer's CPU GEMM
+    # kernel at load time (and may repack or drop the plain weight). Under strategy balanced the
+    # stage's linear layers and LM head keep their plain weights and go through gemm_split instead,
+    # which computes part of every product's rows on a GPU (the GEMM helper) at the same time.
+    # vllm.v1.worker.cpu_model_runner.CPUModelRunner.load_model: once the model is loaded, the weights
+    # go to the helper, before the warm-up traces the graph (it calls the split GEMMs).
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from . import gemm_split
+    original_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    @functools.wraps(original_dispatch)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        lookup_only = isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+        if layer.weight.is_meta or layer.weight.ndim != 2 or lookup_only:
+            return original_dispatch(layer, remove_weight)
+        gemm_split.register_layer(layer)
+
+    runner, original_load = cpu_model_runner.CPUModelRunner, cpu_model_runner.CPUModelRunner.load_model
+
+    @functools.wraps(original_load)
+    def load_model(self, *args, **kwargs):
+        out = original_load(self, *args, **kwargs)
+        device = gemm_split.connect_and_publish(self.scheduler_config.max_num_batched_tokens)
+        from vllm.logger import init_logger
+        init_logger("vllm.hybrid.patches").info("GEMMs of %d linear layers split with the GEMM helper on %s",
+                                                len(gemm_split.LAYERS), device)
+        return out
+
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    runner.load_model = load_model
+    APPLIED.append("dispatch_cpu_unquantized_gemm + CPUModelRunner.load_model(split GEMMs with the GPU)")
+
+
 def die_with_parent() -> None:
     # Not an upstream function: every vLLM process (API server, engine core, workers) asks the
     # kernel for SIGKILL when its parent dies. vLLM's workers otherwise outlive a killed parent while
@@ -314,6 +349,11 @@ def apply_all() -> list[str]:
     patch_pad_received_activations(gpu_model_runner)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
+    from . import gemm_split
+    if current_platform.is_cpu() and gemm_split.enabled():
+        from vllm.model_executor.layers import utils as layer_utils
+        from vllm.v1.worker import cpu_model_runner
+        patch_split_gemm(layer_utils, cpu_model_runner)
     from vllm.logger import init_logger
     init_logger("vllm.hybrid.patches").info("vllm_hybrid patches applied (pid %d): %s", os.getpid(), ", ".join(APPLIED))
     return APPLIED

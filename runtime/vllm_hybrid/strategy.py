@@ -3,8 +3,9 @@
 pipeline  CPU stages compute their layers, reading the weights from their own DRAM.
 offload   GPU stages only: the CPU stages' layers stay in the GPU pod's host RAM and are streamed
           to the GPU every step (vLLM --cpu-offload-gb, which needs the V1 model runner).
-balanced  Both: a GPU stage also streams the CPU layers next to it, as many as make its PCIe time
-          about equal to the CPU stage's DRAM time.
+balanced  Both at once: every CPU stage computes its layers, and each of its matrix products is split
+          row-wise with the GEMM helper of a GPU stage (gemm_split.py), which streams its share of the
+          weights over PCIe while the CPU reads the rest from DRAM.
 auto      Whichever of the three the cost model predicts fastest for the plan's expected workload.
 
 Pure: a function of the plan, its layer split and the hardware figures, like the planner.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 from .plan import Plan, PlanError
 from .planner import Split
+
+ALIGN = 16  # a GPU share of a split GEMM is whole 16-row blocks; below one block the CPU does it all
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class Hardware:
     pcie_gbs: float = 48.5               # weights streamed per step, effective (offload, one token)
     offload_token_s: float = 0.0004      # and each token of a streamed step re-reads weights over UVA
     gpu_step_s: float = 0.004            # a pipeline step's fixed cost: GPU stage, hops, scheduling
+    split_dram_share: float = 0.8        # balanced: share of its DRAM rate a CPU stage keeps while the GPU streams
+    split_call_s: float = 0.0001         # balanced: fixed cost of one split GEMM (socket round trip, sync)
 
 
 HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
@@ -55,6 +60,14 @@ class Layout:
     stages: tuple[int, ...]
     layers: tuple[int, ...]
     offload_bytes: tuple[int, ...]
+    helpers: tuple[int | None, ...] = ()  # balanced: the plan stage whose GEMM helper each stage uses
+
+    def helper_of(self, stage: int) -> int | None:
+        return self.helpers[self.stages.index(stage)] if self.helpers else None
+
+    def helped_by(self, stage: int) -> list[int]:
+        """The stages whose GEMMs `stage`'s helper computes part of (balanced)."""
+        return [s for s, h in zip(self.stages, self.helpers) if h == stage]
 
     @property
     def partition(self) -> str:
@@ -67,34 +80,77 @@ class Layout:
         return out
 
 
-def layout(plan: Plan, split: Split, strategy: str, hw: Hardware = Hardware()) -> Layout:
+def _gpu_for(gpus: list[int], i: int) -> int:
+    """The GPU stage serving CPU stage i: the one before it (its layers stay contiguous), else the first."""
+    return max((j for j in gpus if j < i), default=min(gpus))
+
+
+def layout(plan: Plan, split: Split, strategy: str) -> Layout:
     counts = [sp.layers for sp in split.stages]
+    everyone = tuple(range(len(counts)))
     gpus = [i for i, s in enumerate(plan.stages) if not s.is_cpu]
     if strategy == "pipeline" or not gpus:
         if strategy in ("offload", "balanced"):
             raise PlanError(f"strategy: {strategy} needs a gpu stage to stream layers to")
-        return Layout("pipeline", tuple(range(len(counts))), tuple(counts), (0,) * len(counts))
+        return Layout("pipeline", everyone, tuple(counts), (0,) * len(counts))
+    if strategy == "balanced":
+        helpers = tuple(_gpu_for(gpus, i) if plan.stages[i].is_cpu else None for i in everyone)
+        return Layout("balanced", everyone, tuple(counts), (0,) * len(counts), helpers)
     lb = split.shape.layer_bytes
-    layers, streamed = dict.fromkeys(range(len(counts)), 0), dict.fromkeys(range(len(counts)), 0)
-    for i in range(len(counts)):
+    layers, streamed = dict.fromkeys(everyone, 0), dict.fromkeys(everyone, 0)
+    for i in everyone:
         if not plan.stages[i].is_cpu:
             layers[i] += counts[i]
             continue
-        # the GPU stage on the side the layers touch keeps them contiguous: the one before, else after
-        g = max((j for j in gpus if j < i), default=min(gpus))
-        moved = counts[i] if strategy == "offload" else _balanced_share(counts[i], hw)
-        layers[g], streamed[g] = layers[g] + moved, streamed[g] + moved * lb
-        layers[i] = counts[i] - moved
-    keep = [i for i in range(len(counts)) if layers[i]]
+        g = _gpu_for(gpus, i)
+        layers[g], streamed[g] = layers[g] + counts[i], streamed[g] + counts[i] * lb
+    keep = [i for i in everyone if layers[i]]
     return Layout(strategy, tuple(keep), tuple(layers[i] for i in keep), tuple(streamed[i] for i in keep))
 
 
-def _balanced_share(cpu_layers: int, hw: Hardware) -> int:
-    """Layers to stream so k/PCIe ~ (n-k)/DRAM: both links busy for about the same time."""
-    if cpu_layers < 2:
-        return 0
-    k = round(cpu_layers * hw.pcie_gbs / (hw.pcie_gbs + hw.dram_gbs * hw.cpu_decode_efficiency))
-    return min(max(k, 1), cpu_layers - 1)
+@dataclass(frozen=True)
+class Rates:
+    """What each side reaches while both work (launcher: from the plan's hardware figures)."""
+    pcie_gbs: float = 50.0    # host -> GPU, pinned weights
+    cpu_gbs: float = 55.0     # CPU weight reads while the GPU streams (both load DRAM)
+    cpu_tflops: float = 3.0   # CPU GEMM compute, large batches
+
+    def encode(self) -> str:
+        return f"{self.pcie_gbs},{self.cpu_gbs},{self.cpu_tflops}"
+
+    @classmethod
+    def decode(cls, text: str | None) -> Rates:
+        return cls(*map(float, text.split(","))) if text else cls()
+
+    def row_seconds(self, k: int, rows: int, elem: int) -> tuple[float, float]:
+        """Time per weight row of a (n, k) product at `rows` rows on each side. GPU: the row and its
+        outputs cross PCIe, (k + rows) * elem bytes. CPU: it reads the row at DRAM speed or, in large
+        batches, computes it at its FLOP rate."""
+        cpu_bps = min(self.cpu_gbs * 1e9, self.cpu_tflops * 1e12 * elem / (2 * rows))
+        return (k + rows) * elem / (self.pcie_gbs * 1e9), k * elem / cpu_bps
+
+
+def gpu_rows(rows: int, n: int, k: int, elem: int, rates: Rates, share: float | None = None) -> int:
+    """Rows of an (n, k) weight the GPU computes for a batch of `rows`: both sides finish together
+    (`share` fixes the GPU's fraction instead, for experiments)."""
+    if share is None:
+        t_gpu, t_cpu = rates.row_seconds(k, rows, elem)
+        share = t_cpu / (t_gpu + t_cpu)
+    n0 = int(n * share) // ALIGN * ALIGN
+    return n if n - n0 < ALIGN else n0
+
+
+def split_rates(hw: Hardware, cores: int) -> Rates:
+    """What a CPU stage and its GEMM helper reach side by side (gemm_split picks each split by them)."""
+    return Rates(pcie_gbs=hw.pcie_gbs, cpu_gbs=hw.dram_gbs * hw.cpu_decode_efficiency * hw.split_dram_share,
+                 cpu_tflops=cores * hw.cpu_prefill_tflops_per_core)
+
+
+def split_pass_s(weights: float, k: int, rows: int, elem: int, rates: Rates) -> float:
+    """One pass over `weights` bytes of (n, k) products at `rows` rows, each split at gemm_split's point:
+    the two sides work in parallel, so their rates per weight row add up."""
+    t_gpu, t_cpu = rates.row_seconds(k, rows, elem)
+    return weights / (k * elem) * t_gpu * t_cpu / (t_gpu + t_cpu)
 
 
 def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware = Hardware()) -> float:
@@ -110,6 +166,12 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
             weights = n * shape.layer_bytes + (shape.embedding_bytes if k == len(lay.stages) - 1 else 0)
             flops_per_token = 2 * weights / shape.dtype_bytes
             cores = stage.cpus or 1
+            if lay.helper_of(i) is not None:
+                rates, calls = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s
+                step += split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
+                chunk = min(prompt, plan.max_num_batched_tokens)
+                prefill += chunks * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
+                continue
             step += max(weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)
                         + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
                         c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
@@ -126,17 +188,21 @@ def hardware_of(plan: Plan) -> Hardware:
     return Hardware(**dict(plan.hardware))
 
 
-def resolve(plan: Plan, split: Split, hw: Hardware | None = None,
-            api_stage: int | None = None) -> tuple[Layout, dict[str, float]]:
+def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int | None = None,
+            shared_shm: bool = True) -> tuple[Layout, dict[str, float]]:
     """The layout to run and the predicted tokens/s of each candidate at the expected workload.
     api_stage: the plan stage that must serve the API where the deployment fixes it (Kubernetes
-    routes clients to stage 0's pods), so layouts that leave it out are not candidates."""
+    routes clients to stage 0's pods), so layouts that leave it out are not candidates.
+    shared_shm: whether the stages of a replica share /dev/shm (balanced needs it for the helper)."""
     hw = hw or hardware_of(plan)
     work = workload_of(plan)
     candidates = ["pipeline"]
     if any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages):
-        candidates += ["offload", "balanced"]
-    lays = {name: layout(plan, split, name, hw) for name in candidates}
+        candidates += ["offload", "balanced"] if shared_shm else ["offload"]
+        if plan.strategy == "balanced" and not shared_shm:
+            raise PlanError("strategy: balanced needs the stages of a replica to share /dev/shm "
+                            "(sharedMemory.mode hostPath): the cpu stages talk to the GEMM helper there")
+    lays = {name: layout(plan, split, name) for name in candidates}
     if api_stage is not None:
         lays = {name: lay for name, lay in lays.items() if lay.stages[0] == api_stage}
         if plan.strategy not in ("auto", *lays):

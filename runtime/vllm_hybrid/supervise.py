@@ -23,6 +23,7 @@ HEARTBEAT_S = 1.0
 PEER_TIMEOUT_S = 10.0        # silence after which a connected peer counts as lost
 TERM_GRACE_S = 15.0          # SIGTERM -> SIGKILL for the vLLM process group
 EXIT_PEER_LOST = 75
+EXIT_SIDECAR_LOST = 76
 
 
 class Heartbeat:
@@ -273,12 +274,15 @@ def _die_with_parent() -> None:
 
 
 def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None,
-                   janitor: ShmJanitor | None = None) -> int:
-    """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST."""
+                   janitor: ShmJanitor | None = None, sidecar: list[str] | None = None) -> int:
+    """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST.
+    sidecar: a process the stage needs beside vLLM (the GEMM helper), started first; if it dies, the
+    stage stops with EXIT_SIDECAR_LOST (its CPU stages cannot compute without it)."""
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     if janitor and (removed := janitor.cleanup_previous()):
         log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
+    side = sidecar and subprocess.Popen(sidecar, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     if heartbeat:
         heartbeat.start()
@@ -301,8 +305,14 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
                 log.error("peer lost (%s): stopping this stage so the pipeline restarts", heartbeat.lost)
                 terminate_group(proc, grace=5)
                 return EXIT_PEER_LOST
+            if side and side.poll() is not None:
+                log.error("%s exited with code %s: stopping this stage", sidecar[2], side.returncode)
+                terminate_group(proc, grace=5)
+                return EXIT_SIDECAR_LOST
             stopping.wait(0.2)
     finally:
+        if side:
+            terminate_group(side, grace=5)
         if janitor:
             janitor.finish()
         if heartbeat:

@@ -78,6 +78,8 @@ INVALID = [
      "spec.strategy offload and balanced need a gpu stage"),
     ("balanced-without-cpu-stage", body_with(strategy="balanced", stages=stages(1)),
      "spec.strategy offload and balanced need a gpu stage and a cpu stage"),
+    ("balanced-without-shared-dev-shm", body_with(strategy="balanced", sharedMemory={"mode": "none"}),
+     "spec.strategy balanced needs spec.sharedMemory.mode hostPath"),
     ("offload-cpu-stage-first", body_with(strategy="offload", stages=[CPU, GPU]),
      "spec.strategy offload needs spec.stages[0] to be a gpu stage"),
     ("workload-longer-than-max-model-len", body_with(workload={"promptTokens": 4000, "outputTokens": 97}),
@@ -150,6 +152,8 @@ VALID = {
         strategy="auto", workload={"concurrency": 4096, "promptTokens": 4000, "outputTokens": 96}),
     "auto-partial-workload": make_body(strategy="auto", workload={"concurrency": 1}),
     "auto-gpu-only": make_body(strategy="auto", stages=stages(1), workload={}),
+    "balanced-shared-memory-defaulted": make_body(strategy="balanced"),  # sharedMemory {} -> mode hostPath
+    "balanced-cpu-stage-first": make_body(strategy="balanced", stages=[CPU, GPU], sharedMemory={"sizeLimit": "1Gi"}),
     "stage-env": make_body(stages=[
         dict(GPU, env=[{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"}, {"name": "http_proxy", "value": ""}]),
         dict(CPU, env=[{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "_FLAG"},  # value defaults to ""
@@ -206,6 +210,17 @@ def test_every_cel_rule_fires_on_some_invalid_spec_and_passes_on_valid_ones():
         assert validate(body) == []
 
 
+def test_balanced_needs_hostpath_shared_memory_and_says_why():
+    """The cpu stages and the GEMM helper in the gpu pod exchange work through the replica's /dev/shm."""
+    errors = validate(make_body(strategy="balanced", sharedMemory={"mode": "none", "sizeLimit": "1Gi"}))
+    assert errors == ["spec.strategy balanced needs spec.sharedMemory.mode hostPath (the cpu stages and the "
+                      "GEMM helper in the gpu pod share /dev/shm)"]
+    for strategy in ("pipeline", "offload", "auto"):  # only balanced needs the shared /dev/shm
+        assert validate(make_body(strategy=strategy, sharedMemory={"mode": "none"})) == [], strategy
+    for shared_memory in ({}, {"mode": "hostPath"}):  # the defaulted mode is hostPath
+        assert validate(make_body(strategy="balanced", sharedMemory=shared_memory)) == []
+
+
 def test_every_variable_the_operator_sets_is_refused_in_stage_env():
     """The CEL list follows render/pod.py: a variable the operator starts setting must be added to it."""
     body = make_body(model={"repo": "org/model", "tokenSecretRef": {"name": "hf"}},
@@ -213,7 +228,8 @@ def test_every_variable_the_operator_sets_is_refused_in_stage_env():
                      stages=[dict(GPU, numaNode=0), dict(CPU, numaNode=1)])
     operator_set = {e["name"] for sts in render_children(body) if sts["kind"] == "StatefulSet"
                     for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert {"HYBRID_STAGE", "HYBRID_REPLICA", "HYBRID_NUMA_NODE", "HF_TOKEN", "VLLM_API_KEY"} <= operator_set
+    assert {"HYBRID_STAGE", "HYBRID_REPLICA", "HYBRID_SHM_SHARED", "HYBRID_NUMA_NODE", "HF_TOKEN",
+            "VLLM_API_KEY"} <= operator_set
     for name in sorted(operator_set):
         errors = validate(body_with(set_in(["stages", 1, "env"], [{"name": name, "value": "x"}])))
         assert any("must not set a variable the operator sets" in e for e in errors), name

@@ -6,7 +6,9 @@ import re
 import pytest
 import yaml
 from hi_fixtures import ROOT, make_body, stages
+from hybrid_operator.defaults import with_defaults
 from hybrid_operator.plan import WORKLOAD_KEYS, layer_ranges, render_plan, stages_summary
+from hybrid_operator.strategy import offloaded_stages, running_layers, streamed_stages
 
 
 def documented_keys():
@@ -91,6 +93,35 @@ def test_layer_ranges():
     for strategy in ("balanced", "auto"):  # every stage runs
         assert layer_ranges(make_body(strategy=strategy, stages=stages(3, layers=True))["spec"]) == \
             ["0-7", "8-15", "16-23"]
+
+
+def test_balanced_stages_compute_their_own_layers():
+    """balanced moves GEMM rows to the helper, not layers: every stage keeps its own, unlike offload."""
+    st = stages(4, layers=True)
+    st[2] = dict(st[0], name="gpu2", layers=4)
+    st[3]["layers"] = 12
+    balanced = make_body(strategy="balanced", stages=st)["spec"]
+    assert running_layers(with_defaults(balanced)) == [8, 8, 4, 12]
+    assert stages_summary(balanced) == "gpu:8 cpu:8 gpu2:4 cpu3:12"
+    assert layer_ranges(balanced) == ["0-7", "8-15", "16-19", "20-31"]
+    offload = make_body(strategy="offload", stages=st)["spec"]  # the same stages, layers moved to the gpus
+    assert running_layers(with_defaults(offload)) == [16, 16]
+    assert stages_summary(offload) == "gpu:16 gpu2:16"
+
+
+def test_streamed_stages_cover_offload_and_balanced_offloaded_stages_only_offload():
+    st = stages(4)
+    st[2] = dict(st[0], name="gpu2")
+    for strategy in ("offload", "balanced"):
+        spec = with_defaults(make_body(strategy=strategy, stages=st)["spec"])
+        assert [streamed_stages(spec, i) for i in range(4)] == [[1], [], [3], []]
+        assert [offloaded_stages(spec, i) for i in range(4)] == \
+            ([[1], [], [3], []] if strategy == "offload" else [[], [], [], []])
+    for strategy in ("pipeline", "auto"):
+        spec = with_defaults(make_body(strategy=strategy, stages=st)["spec"])
+        assert [streamed_stages(spec, i) for i in range(4)] == [[], [], [], []]
+    spec = with_defaults(make_body(strategy="balanced", stages=[st[1], st[0], st[3]])["spec"])  # cpu gpu cpu3
+    assert [streamed_stages(spec, i) for i in range(3)] == [[], [0, 2], []]  # no gpu before cpu: the first
 
 
 def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():

@@ -58,6 +58,7 @@ def test_children_for_every_shape(mode, n_stages, tp, replicas):
             "metadata.labels['apps.kubernetes.io/pod-index']"
         assert env["HYBRID_MASTER_ADDR"]["value"] == "llama-gpu-{replica}.llama-peers.ml.svc.cluster.local"
         assert env["HYBRID_API_STAGE"]["value"] == "0"  # what the client Service selects
+        assert env["HYBRID_SHM_SHARED"]["value"] == ("1" if mode == "hostPath" else "0")  # balanced needs 1
         assert env["HYBRID_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert c["command"] == ["vllm-hybrid"] and c["args"] == ["serve", "--plan", "/etc/hybrid/plan.yaml"]
         res = c["resources"]
@@ -237,19 +238,80 @@ def test_offload_each_gpu_stage_holds_the_cpu_stages_after_it():
     assert env_of(gpu2["spec"]["template"]["spec"]["containers"][0])["HYBRID_STAGE"]["value"] == "2"
 
 
-@pytest.mark.parametrize("strategy", ["balanced", "auto"])
-def test_balanced_and_auto_run_every_stage_like_pipeline(strategy):
+def test_auto_runs_every_stage_like_pipeline():
     """auto: the runtime may still pick offload, then the cpu pods idle; the operator cannot know."""
     st = stages(3)
     st[0]["memory"] = "32Gi"
     pipeline = render_children(make_body(stages=st))
-    other = render_children(make_body(stages=st, strategy=strategy, workload={"concurrency": 4}))
-    assert [c["metadata"]["name"] for c in other] == [c["metadata"]["name"] for c in pipeline]
-    for a, b in zip(by_kind(pipeline, "StatefulSet"), by_kind(other, "StatefulSet")):
-        assert memory_of(a) == memory_of(b)
+    auto = render_children(make_body(stages=st, strategy="auto", workload={"concurrency": 4}))
+    assert [c["metadata"]["name"] for c in auto] == [c["metadata"]["name"] for c in pipeline]
+    for a, b in zip(by_kind(pipeline, "StatefulSet"), by_kind(auto, "StatefulSet")):
+        assert memory_of(a) == memory_of(b)  # auto adds no RAM: the operator cannot know what it picks
         ha = a["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
         hb = b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
         assert ha != hb and a == b  # only the plan differs
+
+
+def test_balanced_runs_every_stage_and_grows_the_gpu_pod_by_the_helped_cpu_stages():
+    """The GEMM helper in the gpu pod holds a pinned copy of the cpu stages' weights; the cpu pods keep theirs."""
+    st = stages(3)
+    st[0]["memory"] = "32Gi"
+    pipeline = render_children(make_body(stages=st))
+    balanced = render_children(make_body(stages=st, strategy="balanced"))
+    assert [c["metadata"]["name"] for c in balanced] == [c["metadata"]["name"] for c in pipeline]
+    gpu, cpu, cpu2 = by_kind(balanced, "StatefulSet")
+    assert memory_of(by_kind(pipeline, "StatefulSet")[0]) == ("32Gi", "32Gi")
+    assert memory_of(gpu) == ("160Gi", "160Gi")  # 32Gi of its own + 2 x 64Gi of helped cpu-stage weights
+    assert memory_of(cpu) == memory_of(cpu2) == ("64Gi", "64Gi")  # every cpu stage still holds its weights
+    res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
+    for a, b in zip(by_kind(pipeline, "StatefulSet")[1:], (cpu, cpu2)):
+        a["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
+        b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
+        assert a == b  # the cpu pods differ from pipeline's in the plan only
+    plan = yaml.safe_load(balanced[0]["data"]["plan.yaml"])
+    assert plan["strategy"] == "balanced" and len(plan["stages"]) == 3
+
+
+def test_balanced_without_gpu_memory_reserves_the_helper_ram_without_a_limit():
+    gpu, *_ = by_kind(render_children(make_body(strategy="balanced", stages=stages(3))), "StatefulSet")
+    assert memory_of(gpu) == ("128Gi", None)
+
+
+def test_balanced_each_cpu_stage_is_helped_by_the_gpu_stage_before_it_else_the_first():
+    st = stages(4)
+    st[0]["memory"] = "1.5Gi"
+    st[2] = dict(st[0], name="gpu2", memory="16G")
+    st[3]["memory"] = "1000Mi"
+    gpu, cpu, gpu2, cpu3 = by_kind(render_children(make_body(strategy="balanced", stages=st)), "StatefulSet")
+    assert memory_of(gpu) == ("67072Mi", "67072Mi")  # 1.5Gi + cpu's 64Gi
+    assert [to_bytes(m) for m in memory_of(gpu2)] == [16 * 10**9 + 1000 * 2**20] * 2  # 16G + cpu3's 1000Mi
+    assert memory_of(cpu) == ("64Gi", "64Gi") and memory_of(cpu3) == ("1000Mi", "1000Mi")
+    # a cpu stage before every gpu stage is helped by the first gpu stage
+    cpu_first, gpu_last = by_kind(render_children(make_body(strategy="balanced", stages=[st[1], st[0]])),
+                                  "StatefulSet")
+    assert memory_of(gpu_last) == ("67072Mi", "67072Mi") and memory_of(cpu_first) == ("64Gi", "64Gi")
+
+
+def test_offload_and_balanced_give_the_gpu_pod_the_same_ram_but_only_offload_drops_the_cpu_pods():
+    st = stages(3)
+    st[0]["memory"] = "32Gi"
+    offload = by_kind(render_children(make_body(strategy="offload", stages=st)), "StatefulSet")
+    balanced = by_kind(render_children(make_body(strategy="balanced", stages=st)), "StatefulSet")
+    assert [s["metadata"]["name"] for s in offload] == ["llama-gpu"]
+    assert [s["metadata"]["name"] for s in balanced] == ["llama-gpu", "llama-cpu", "llama-cpu2"]
+    assert memory_of(offload[0]) == memory_of(balanced[0]) == ("160Gi", "160Gi")
+
+
+def test_shm_shared_env_follows_the_shared_memory_mode_on_every_stage():
+    for mode, shared in (("hostPath", "1"), ("none", "0")):
+        body = make_body(strategy="auto", stages=stages(3), sharedMemory={"mode": mode})
+        for sts in by_kind(render_children(body), "StatefulSet"):
+            assert env_of(sts["spec"]["template"]["spec"]["containers"][0])["HYBRID_SHM_SHARED"] == \
+                {"name": "HYBRID_SHM_SHARED", "value": shared}
+    # the CRD default (hostPath) applies when sharedMemory is left out
+    for sts in by_kind(render_children(make_body()), "StatefulSet"):
+        assert env_of(sts["spec"]["template"]["spec"]["containers"][0])["HYBRID_SHM_SHARED"]["value"] == "1"
 
 
 def test_workload_reaches_the_plan_and_rolls_the_pods():

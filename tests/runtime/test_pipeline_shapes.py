@@ -1,8 +1,10 @@
 """Other pipeline shapes give exactly the greedy tokens of single-process vLLM on the same weights:
-tensor parallelism inside every stage (2 stages x TP 2, four CPU workers), three stages, and
-compiled (not eager) CPU stages."""
+tensor parallelism inside every stage (2 stages x TP 2, four CPU workers), three stages,
+compiled (not eager) CPU stages, and stages whose GEMMs are split with a GEMM helper (balanced)."""
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -72,3 +74,30 @@ def test_compiled_stages_match_single_process(tiny_llama, reference_ids, tmp_pat
     assert all("AOT compil" in log for log in logs)  # each stage compiled its model (or loaded it)
     assert alone == reference_ids
     assert together == reference_ids
+
+
+def test_split_gemms_match_single_process(tiny_llama, reference_ids, tmp_path):
+    # strategy balanced without a GPU: both stages split every GEMM with one GEMM helper process
+    # (on the CPU here; the GPU machine runs it on CUDA), compiled graphs calling the split op
+    sock = str(tmp_path / "helper.gemm")
+    helper = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.gemm_helper", "--socket", sock, "--device", "cpu"],
+                              stdout=open(tmp_path / "helper.log", "wb"), stderr=subprocess.STDOUT)
+    split = {"HYBRID_GEMM_SOCKET": sock, "HYBRID_SPLIT_SHARE": "0.5"}
+    pipe = LocalPipeline(plan_for(tiny_llama, extra_args=[]), tmp_path, [{**e, **split} for e in CPU_ENVS]).start()
+    try:
+        pipe.wait_ready(timeout=900)
+        alone = [complete(pipe, p) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: complete(pipe, p), PROMPTS))
+        logs = [pipe.log(i) for i in (0, 1)]
+    finally:
+        pipe.stop()
+        helper.terminate()
+        helper.wait(10)
+    for log in logs:  # stage 0: 1 layer (4 GEMMs); stage 1: 3 layers and the LM head
+        assert "GEMMs of" in log and "split with the GEMM helper on cpu" in log
+    assert "GEMMs of 4 linear layers" in logs[0] and "GEMMs of 13 linear layers" in logs[1]
+    assert (tmp_path / "helper.log").read_text().count("serving") == 2
+    assert alone == reference_ids
+    assert together == reference_ids
+    assert not os.path.exists(sock)  # the helper removes its socket when stopped

@@ -1,8 +1,9 @@
 import pytest
-from vllm_hybrid.launcher import Identity, vllm_command, vllm_env
+from vllm_hybrid.cpubind import CpuBinding
+from vllm_hybrid.launcher import Identity, helper_command, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
-from vllm_hybrid.strategy import Hardware, layout, resolve
+from vllm_hybrid.strategy import Hardware, Rates, resolve, split_rates
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
@@ -28,22 +29,51 @@ def test_offload_runs_the_gpu_stage_with_every_layer_streaming_the_cpu_ones(stag
     assert env["VLLM_PP_LAYER_PARTITION"] == "32" and env["HYBRID_PIPELINE_STAGES"] == "1"
 
 
-def test_balanced_moves_contiguous_layers_next_to_the_gpu_stage():
-    for stages, gpu_first in (([GPU, CPU], True), ([CPU, GPU], False)):
-        plan, split = planned(stages, strategy="balanced")
-        lay, _ = resolve(plan, split)
-        moved = lay.offload_bytes[0 if gpu_first else 1] // SHAPE.layer_bytes
-        assert 1 <= moved <= 15 and sum(lay.layers) == 32
-        assert lay.layers == ((16 + moved, 16 - moved) if gpu_first else (16 - moved, 16 + moved))
-        assert lay.ranges()[1 if gpu_first else 0] == (f"{16 + moved}-31" if gpu_first else f"0-{15 - moved}")
-    # equal link times: k / PCIe == (16 - k) / (DRAM x efficiency)
-    hw = Hardware(pcie_gbs=50, dram_gbs=100, cpu_decode_efficiency=0.5)
-    assert layout(planned([GPU, CPU])[0], planned([GPU, CPU])[1], "balanced", hw).layers == (24, 8)
+@pytest.mark.parametrize("stages,cpu", [([GPU, CPU], 1), ([CPU, GPU], 0)])
+def test_balanced_splits_the_cpu_stages_gemms_with_the_gpu_stages_helper(stages, cpu):
+    plan, split = planned(stages, strategy="balanced")
+    lay, _ = resolve(plan, split)
+    gpu = 1 - cpu
+    # every stage runs its own layers; nothing moves to the GPU stage's --cpu-offload-gb
+    assert (lay.stages, lay.layers, lay.offload_bytes) == ((0, 1), (16, 16), (0, 0))
+    assert lay.helper_of(cpu) == gpu and lay.helper_of(gpu) is None and lay.helped_by(gpu) == [cpu]
+    base = {"HYBRID_INSTANCE": "llama", "HYBRID_SHM_DIR": "/dev/shm"}
+    cpu_env = vllm_env(plan, split, Identity(cpu, 2, "10.0.0.1", None), CpuBinding("1-2", 2, None, [1, 2]), base, lay=lay)
+    assert cpu_env["HYBRID_GEMM_SOCKET"] == f"/dev/shm/hybrid-llama-r2-s{gpu}.gemm"
+    assert Rates.decode(cpu_env["HYBRID_SPLIT_RATES"]) == split_rates(Hardware(), 15)
+    helper = helper_command(plan, split, Identity(gpu, 2, "10.0.0.1", None), base, python="py", lay=lay)
+    assert helper == ["py", "-m", "vllm_hybrid.gemm_helper", "--socket", cpu_env["HYBRID_GEMM_SOCKET"],
+                      "--device", "cuda"]
+    assert helper_command(plan, split, Identity(cpu, 2, "10.0.0.1", None), base, lay=lay) is None
+    gpu_argv = vllm_command(plan, split, Identity(gpu, 2, "10.0.0.1", None), python="py", lay=lay)
+    assert "--cpu-offload-gb" not in gpu_argv
+    pipe = resolve(*planned(stages, strategy="pipeline"))[0]
+    assert "HYBRID_GEMM_SOCKET" not in vllm_env(plan, split, Identity(cpu, 0, "h", None), CpuBinding("1", 1, None, [1]),
+                                                base, lay=pipe)
+    assert helper_command(plan, split, Identity(gpu, 0, "h", None), base, lay=pipe) is None
+
+
+def test_each_cpu_stage_uses_the_gpu_stage_before_it_else_the_first():
+    stages = [{**CPU, "name": "c0", "layers": 8}, {**GPU, "name": "g1", "layers": 8},
+              {**CPU, "name": "c2", "layers": 8}, {**GPU, "name": "g3", "layers": 8}]
+    lay, _ = resolve(*planned(stages, strategy="balanced"))
+    assert lay.helpers == (1, None, 1, None) and lay.helped_by(1) == [0, 2] and lay.helped_by(3) == []
+
+
+def test_balanced_needs_a_shared_dev_shm():
+    plan, split = planned([GPU, CPU], strategy="balanced")
+    with pytest.raises(PlanError, match="balanced needs the stages of a replica to share /dev/shm"):
+        resolve(plan, split, shared_shm=False)
+    auto = planned([GPU, CPU], strategy="auto", expected_concurrency=16)
+    assert resolve(*auto)[0].strategy == "balanced"  # the best here when the helper can run
+    lay, est = resolve(*auto, shared_shm=False)
+    assert "balanced" not in est and lay.strategy in ("pipeline", "offload")
 
 
 def test_auto_follows_the_workload():
+    # without the GEMM helper: the CPU stage's DRAM wins at low concurrency, streaming at high
     picks = {c: resolve(*planned([CPU, GPU], strategy="auto", expected_concurrency=c, expected_prompt_tokens=128,
-                                 expected_output_tokens=128))[0].strategy for c in (1, 4, 64)}
+                                 expected_output_tokens=128), shared_shm=False)[0].strategy for c in (1, 4, 64)}
     assert picks[1] == "pipeline" and picks[64] == "offload"
     _, est = resolve(*planned([CPU, GPU], strategy="auto", expected_concurrency=1))
     assert set(est) == {"pipeline", "offload", "balanced"}
@@ -66,7 +96,9 @@ def test_hardware_figures_from_the_plan_steer_the_choice():
     slow_pcie = {"pcie_gbs": 5.0, "offload_token_s": 0.001}
     plan, split = planned([CPU, GPU], strategy="auto", expected_concurrency=64, hardware=slow_pcie)
     assert dict(plan.hardware) == slow_pcie
-    assert resolve(plan, split)[0].strategy == "pipeline"  # streaming at 5 GB/s loses even at 64
+    # streaming at 5 GB/s loses even at 64: no offload; balanced gives the GPU a small share only
+    assert resolve(plan, split, shared_shm=False)[0].strategy == "pipeline"
+    assert resolve(plan, split)[0].strategy == "balanced"
     with pytest.raises(PlanError, match="hardware.pcie: unknown field"):
         planned([CPU, GPU], hardware={"pcie": 50})
     with pytest.raises(PlanError, match="hardware.dram_gbs: expected a positive number"):
@@ -76,9 +108,10 @@ def test_hardware_figures_from_the_plan_steer_the_choice():
 def test_a_deployment_that_routes_clients_to_stage_0_keeps_it_serving():
     plan, split = planned([CPU, GPU], strategy="auto", expected_concurrency=64, expected_prompt_tokens=128,
                           expected_output_tokens=128)
-    assert resolve(plan, split)[0].strategy == "offload"  # local runs: the GPU stage may serve the API
-    lay, _ = resolve(plan, split, api_stage=0)  # Kubernetes: stage 0's pods get the requests
-    assert lay.stages[0] == 0 and lay.strategy in ("pipeline", "balanced")
+    # local runs: the GPU stage may serve the API (offload leaves the CPU stage 0 out)
+    assert resolve(plan, split, shared_shm=False)[0].strategy == "offload"
+    lay, _ = resolve(plan, split, api_stage=0, shared_shm=False)  # Kubernetes: stage 0's pods get the requests
+    assert lay.stages[0] == 0 and lay.strategy == "pipeline"
     with pytest.raises(PlanError, match="would serve the API from another stage than stage 0"):
         resolve(*planned([CPU, GPU], strategy="offload"), api_stage=0)
     assert resolve(*planned([GPU, CPU], strategy="offload"), api_stage=0)[0].stages == (0,)

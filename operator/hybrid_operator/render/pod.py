@@ -8,7 +8,7 @@ from .. import names
 from ..plan import MODEL_MOUNT
 from ..quantity import from_bytes, to_bytes
 from ..settings import MASTER_PORT, SUPERVISOR_PORT, Settings
-from ..strategy import offloaded_stages
+from ..strategy import streamed_stages
 
 PLAN_DIR = "/etc/hybrid"
 CACHE_DIR = "/cache"
@@ -49,6 +49,8 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
         {"name": "HYBRID_MASTER_ADDR", "value": master_addr(body, settings)},
         # the client Service sends requests to stage 0's pods: `auto` must keep that stage serving
         {"name": "HYBRID_API_STAGE", "value": "0"},
+        # the replica's pods share /dev/shm (hostPath): balanced's GEMM helper needs it, auto checks it
+        {"name": "HYBRID_SHM_SHARED", "value": "1" if spec["sharedMemory"]["mode"] == "hostPath" else "0"},
         _field_env("HYBRID_HOST_IP", "status.podIP"),
         {"name": "HOME", "value": "/tmp"},  # read-only root fs: every tool's dotfiles go to /tmp
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -84,8 +86,9 @@ def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
     # requests == limits for everything we set: Guaranteed QoS, so the static CPU manager pins cores.
     limits = {**{k: str(v) for k, v in extra.get("limits", {}).items()}, **fixed}
     requests = {**{k: str(v) for k, v in extra.get("requests", {}).items()}, **fixed}
-    if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index)):
-        # offload: this pod's host RAM now holds the cpu stages' weights (pinned, streamed to the GPU).
+    if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in streamed_stages(spec, index)):
+        # offload and balanced: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to
+        # the GPU; balanced: by the GEMM helper, while the cpu stages keep their own copy).
         if "memory" in stage:
             limits["memory"] = requests["memory"] = from_bytes(to_bytes(stage["memory"]) + streamed)
         else:  # no limit to grow: reserve the RAM on the node, leave the process itself unbounded

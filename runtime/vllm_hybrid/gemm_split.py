@@ -1,0 +1,201 @@
+"""A CPU stage's matrix products, split row-wise with a GPU (strategy `balanced`).
+
+A CPU stage is bound by reading its weights from DRAM; a GPU can read host RAM over PCIe at the same
+time. So every linear layer of the stage computes rows [n0, N) of its output on the CPU from its own
+weights while the GEMM helper (gemm_helper.py, run by a GPU stage's launcher in the GPU pod) streams
+rows [0, n0) of a pinned copy to the GPU and computes them there. n0 follows the batch: at decode both
+links share the bytes, in prefill (thousands of rows) the GPU takes nearly everything.
+
+Protocol (one Unix-socket connection per CPU worker, data through two files in the shared /dev/shm):
+  setup   client -> helper: JSON manifest (shapes, dtype, weights file, io file, max rows);
+          helper -> client: JSON {"ok": ..., "device"|"error"}; then both files are unlinked (mapped).
+  call    client writes x into the io file, sends REQUEST (layer, rows, n0, seq); the helper writes
+          its rows of y into the io file and answers REPLY (seq, status).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .strategy import Rates, gpu_rows
+
+log = logging.getLogger("vllm_hybrid.gemm_split")
+REQUEST = struct.Struct("<iiii")  # layer, rows, n0 (rows of the weight on the GPU), seq
+REPLY = struct.Struct("<ii")      # seq, status (0 ok)
+SOCKET_ENV, RATES_ENV, SHARE_ENV = "HYBRID_GEMM_SOCKET", "HYBRID_SPLIT_RATES", "HYBRID_SPLIT_SHARE"
+
+
+def _shm_file(path: str, nbytes: int) -> mmap.mmap:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def send_msg(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("<I", len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("<I", recv_exact(sock, 4))
+    return json.loads(recv_exact(sock, n))
+
+
+def io_layout(max_rows: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    """Elements of the io file's two regions: x (rows x largest k), then y (rows x largest n)."""
+    return max_rows * max(k for _, k in shapes), max_rows * max(n for n, _ in shapes)
+
+
+class SplitClient:
+    """One CPU worker's side: its weights stay where vLLM put them; calls go through `linear`."""
+
+    def __init__(self, path: str, rates: Rates, share: float | None):
+        self.path, self.rates, self.share = path, rates, share
+        self.sock: socket.socket | None = None
+        self.seq = 0
+        self.lock = threading.Lock()
+
+    def connect(self, timeout: float) -> None:
+        deadline, next_note = time.monotonic() + timeout, time.monotonic() + 30
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.connect(self.path)
+                return
+            except OSError as e:
+                self.sock.close()
+                self.sock = None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"GEMM helper at {self.path} unreachable after {timeout:.0f}s ({e}); "
+                                       "it runs in the GPU stage's pod, which must share /dev/shm with this one") from e
+                if time.monotonic() > next_note:
+                    log.info("waiting for the GEMM helper at %s", self.path)
+                    next_note += 30
+                time.sleep(0.5)
+
+    def publish(self, weights: list[torch.Tensor], max_rows: int) -> str:
+        """Hand the helper a copy of every weight (through a transient /dev/shm file) and map the io file."""
+        self.weights = weights
+        self.shapes = [tuple(w.shape) for w in weights]
+        self.dtype, self.elem = weights[0].dtype, weights[0].element_size()
+        self.max_rows = max_rows
+        base = f"{self.path}.{os.getpid()}"
+        total = sum(w.numel() for w in weights)
+        wmap = _shm_file(base + ".weights", total * self.elem)
+        flat = torch.frombuffer(wmap, dtype=self.dtype)
+        off = 0
+        for w in weights:
+            flat[off:off + w.numel()].copy_(w.reshape(-1))
+            off += w.numel()
+        nx, ny = io_layout(max_rows, self.shapes)
+        self.io_map = _shm_file(base + ".io", (nx + ny) * self.elem)
+        io = torch.frombuffer(self.io_map, dtype=self.dtype)
+        self.io_x, self.io_y = io[:nx], io[nx:]
+        # the helper prefetches each weight's decode share before the first call
+        decode = [gpu_rows(1, n, k, self.elem, self.rates, self.share) for n, k in self.shapes]
+        try:
+            send_msg(self.sock, {"dtype": str(self.dtype).removeprefix("torch."), "weights_file": base + ".weights",
+                                 "io_file": base + ".io", "max_rows": max_rows, "shapes": self.shapes,
+                                 "prefetch_rows": decode})
+            answer = recv_msg(self.sock)
+        finally:
+            del flat
+            wmap.close()
+            os.unlink(base + ".weights")
+            os.unlink(base + ".io")  # both sides keep their mappings
+        if not answer.get("ok"):
+            raise RuntimeError(f"GEMM helper at {self.path} refused the weights: {answer.get('error')}")
+        return answer["device"]
+
+    def linear(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        w = self.weights[layer]
+        shape, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        outs = [self._rows(x2[i:i + self.max_rows], w, layer) for i in range(0, max(1, x2.shape[0]), self.max_rows)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(*shape, w.shape[0])
+
+    def _rows(self, x: torch.Tensor, w: torch.Tensor, layer: int) -> torch.Tensor:
+        m, (n, k) = x.shape[0], w.shape
+        n0 = gpu_rows(m, n, k, self.elem, self.rates, self.share) if m else 0
+        if n0 == 0:
+            return F.linear(x, w)
+        with self.lock:  # one call in flight per connection
+            self.io_x[: m * k].view(m, k).copy_(x)
+            self.seq += 1
+            try:
+                self.sock.sendall(REQUEST.pack(layer, m, n0, self.seq))
+                cpu = F.linear(x, w[n0:]) if n0 < n else None
+                seq, status = REPLY.unpack(recv_exact(self.sock, REPLY.size))
+            except OSError as e:
+                raise RuntimeError(f"GEMM helper at {self.path} failed: {e}") from e
+            if status or seq != self.seq:
+                raise RuntimeError(f"GEMM helper at {self.path} answered status {status} for call {seq} "
+                                   f"(expected {self.seq}); see its log in the GPU stage")
+            gpu = self.io_y[: m * n0].view(m, n0)
+            return torch.cat([gpu, cpu], dim=1) if cpu is not None else gpu.clone()
+
+
+_CLIENT: SplitClient | None = None
+LAYERS: list[torch.nn.Module] = []  # the stage's linear layers in load order, whose GEMMs are split
+
+
+@torch.library.custom_op("hybrid::split_linear", mutates_args=())
+def split_linear(x: torch.Tensor, weight: torch.Tensor, layer: int) -> torch.Tensor:
+    # opaque to torch.compile: the CPU stage's traced graph calls it like any GEMM kernel
+    assert _CLIENT is not None, "split_linear called before the GEMM helper was connected"
+    return _CLIENT.linear(x, layer)
+
+
+@split_linear.register_fake
+def _(x, weight, layer):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def register_layer(layer: torch.nn.Module) -> None:
+    """Called at weight-processing time for each linear layer of the stage (patches.py)."""
+    index = len(LAYERS)
+    LAYERS.append(layer)
+
+    def cpu_linear(x, weight, bias, _i=index):
+        out = torch.ops.hybrid.split_linear(x, weight, _i)
+        return out if bias is None else out + bias
+
+    layer.cpu_linear = cpu_linear
+
+
+def enabled(env=os.environ) -> bool:
+    return bool(env.get(SOCKET_ENV))
+
+
+def connect_and_publish(max_rows: int, env=os.environ) -> str:
+    """After the model is loaded: hand every registered layer's weight to the helper."""
+    global _CLIENT
+    share = float(env[SHARE_ENV]) if env.get(SHARE_ENV) else None
+    client = SplitClient(env[SOCKET_ENV], Rates.decode(env.get(RATES_ENV)), share)
+    client.connect(float(env.get("HYBRID_GEMM_CONNECT_TIMEOUT", "900")))
+    device = client.publish([layer.weight.data for layer in LAYERS], max_rows)
+    _CLIENT = client
+    return device
