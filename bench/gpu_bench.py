@@ -4,7 +4,8 @@ dummy bf16 weights:
   (b) vLLM --cpu-offload-gb holding the layers the CPU stage would hold: the plan's `offload`
       strategy (V1 runner; the engine log must say UVAOffloader)
   (c) our pipeline: 16 layers on a GPU stage + 16 on a CPU stage, GPU first (c-gpu-first) or last
-  (d) `balanced`: CPU first, the GPU stage also streams some of the CPU stage's layers
+  (d) `balanced`: (c) with every GEMM of the CPU stage split between the CPU (its DRAM) and the GEMM
+      helper on the GPU (PCIe), CPU first (d-balanced) or GPU first
 Each concurrency gets a short warm-up wave (same shapes, 4 tokens), then the measured wave of
 128-token prompts x 128 output tokens; TTFT at 1k/4k prompt tokens; per-stage forward time per
 step from the stages' hybrid_stage_* metrics; the box's DRAM read bandwidth. CPU stages run with
@@ -144,6 +145,10 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
     plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
             "strategy": strategy, "stages": stages, **SHAPE, **local_ports()}
     cpu_cores = set(parse_cpulist(tuning["env"]["HYBRID_CPUS"]))
+    if strategy == "balanced":  # the GEMM helper gets a core of its own (the launcher takes the GPU stage's last)
+        cpu_cores.discard(max(cpu_cores))
+        tuning["env"]["HYBRID_CPUS"] = ",".join(map(str, sorted(cpu_cores)))
+        cpu["cpus"] = len(cpu_cores)
     gpu_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in cpu_cores)
     envs = [{**GPU_ENV, "HYBRID_CPUS": gpu_cores} if s["device"] == "gpu" else {**CPU_ENV, **tuning["env"]}
             for s in stages]
@@ -167,6 +172,7 @@ CONFIGS = {
     "c-gpu-first": lambda m: run_pipeline(m, True),
     "c-cpu-first": lambda m: run_pipeline(m, False),
     "d-balanced": lambda m: run_pipeline(m, False, "balanced"),
+    "d-balanced-gpu-first": lambda m: run_pipeline(m, True, "balanced"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
 }

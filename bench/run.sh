@@ -5,7 +5,7 @@
 # Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1
-[ -d /tmp/hyb/vllm_hybrid ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/hyb ./runtime || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/hyb ./runtime || exit 1  # this checkout's runtime, every call
 export HYBRID_GPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-gpu:/tmp/vb/deps HYBRID_CPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HYBRID_BENCH_OUT=${HYBRID_BENCH_OUT:-bench/results}
 mkdir -p "$HYBRID_BENCH_OUT"

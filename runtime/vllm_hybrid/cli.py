@@ -125,6 +125,10 @@ def cmd_serve(args) -> int:
         # in a pod the cgroup cpuset does this)
         from .cpubind import parse_cpulist
         os.sched_setaffinity(0, parse_cpulist(env["HYBRID_CPUS"]))
+    if helper and len(cpus := sorted(os.sched_getaffinity(0))) > 1:
+        # the GEMM helper answers ~65 calls per step: a core of its own, not one shared with vLLM's pollers
+        helper = [*helper, "--cpus", str(cpus[-1])]
+        os.sched_setaffinity(0, cpus[:-1])
     rank, n = int(env["HYBRID_PIPELINE_RANK"]), int(env["HYBRID_PIPELINE_STAGES"])
     beat = Heartbeat(rank, n, ident.master_addr, plan.supervision_port) if n > 1 else None
     shm_dir = os.environ.get("HYBRID_SHM_DIR", "/dev/shm")

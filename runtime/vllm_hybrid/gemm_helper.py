@@ -74,7 +74,11 @@ class Connection:
         rc = torch.cuda.cudart().cudaHostRegister(io.data_ptr(), io.numel() * io.element_size(), 2)  # Mapped
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of the io file failed ({rc})")
-        self.io_x_dev = torch.as_tensor(_HostView(self.io_x), device=self.device).view(self.io_x.dtype)
+        try:
+            self.io_x_dev = torch.as_tensor(_HostView(self.io_x), device=self.device).view(self.io_x.dtype)
+        except (RuntimeError, TypeError) as e:  # no device view of host memory here: copy inputs by DMA
+            log.warning("inputs cannot be read in place (%s); copying them", e)
+            self.io_x_dev = None
         self.copy_stream, self.stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         biggest = max(n * k for n, k in self.shapes)
         new = lambda: torch.empty(biggest, dtype=self.io_x.dtype, device=self.device)  # noqa: E731
@@ -123,7 +127,10 @@ class Connection:
                 self.stream.wait_event(self.loaded[s])
             if held < n0:  # the batch grew, or a miss: fetch the rows the prefetch did not cover
                 w[held:].copy_(self.weights[layer][held:n0], non_blocking=True)
-            x = self.io_x_dev[: m * k].view(m, k).mul(1)  # one read of the input over PCIe
+            if self.io_x_dev is not None:
+                x = self.io_x_dev[: m * k].view(m, k).mul(1)  # one read of the input over PCIe
+            else:
+                x = self.io_x[: m * k].view(m, k).to(self.device, non_blocking=True)
             y.copy_(x @ w.t(), non_blocking=True)
             if s is not None:
                 self.free[s].record(self.stream)
@@ -183,9 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="vllm_hybrid.gemm_helper", description=__doc__.split("\n")[0])
     p.add_argument("--socket", required=True)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (tests)")
+    p.add_argument("--cpus", help="CPU list to run on (the launcher gives it a core of its own)")
     args = p.parse_args(argv)
+    if args.cpus:
+        from .cpubind import parse_cpulist
+        os.sched_setaffinity(0, parse_cpulist(args.cpus))
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # "cuda": the first visible GPU
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)

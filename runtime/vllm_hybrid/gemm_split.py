@@ -76,6 +76,9 @@ class SplitClient:
         self.sock: socket.socket | None = None
         self.seq = 0
         self.lock = threading.Lock()
+        # HYBRID_SPLIT_PROFILE=N: log where the time of the last N split calls went
+        self.profile_every = int(os.environ.get("HYBRID_SPLIT_PROFILE", "0"))
+        self.spent = [0.0, 0.0, 0]  # seconds computing the CPU rows, seconds waiting for the helper, calls
 
     def connect(self, timeout: float) -> None:
         deadline, next_note = time.monotonic() + timeout, time.monotonic() + 30
@@ -146,16 +149,31 @@ class SplitClient:
             self.io_x[: m * k].view(m, k).copy_(x)
             self.seq += 1
             try:
+                t0 = time.perf_counter()
                 self.sock.sendall(REQUEST.pack(layer, m, n0, self.seq))
                 cpu = F.linear(x, w[n0:]) if n0 < n else None
+                t1 = time.perf_counter()
                 seq, status = REPLY.unpack(recv_exact(self.sock, REPLY.size))
             except OSError as e:
                 raise RuntimeError(f"GEMM helper at {self.path} failed: {e}") from e
+            if self.profile_every:
+                self._profile(t1 - t0, time.perf_counter() - t1, m)
             if status or seq != self.seq:
                 raise RuntimeError(f"GEMM helper at {self.path} answered status {status} for call {seq} "
                                    f"(expected {self.seq}); see its log in the GPU stage")
             gpu = self.io_y[: m * n0].view(m, n0)
             return torch.cat([gpu, cpu], dim=1) if cpu is not None else gpu.clone()
+
+
+    def _profile(self, cpu_s: float, wait_s: float, rows: int) -> None:
+        self.spent[0] += cpu_s
+        self.spent[1] += wait_s
+        self.spent[2] += 1
+        if self.spent[2] >= self.profile_every:
+            cpu, wait, calls = self.spent
+            log.warning("split GEMMs: %d calls (last %d rows), CPU rows %.3f ms/call, then waiting for the "
+                        "helper %.3f ms/call", calls, rows, 1e3 * cpu / calls, 1e3 * wait / calls)
+            self.spent = [0.0, 0.0, 0]
 
 
 _CLIENT: SplitClient | None = None

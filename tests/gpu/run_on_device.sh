@@ -3,7 +3,7 @@
 # Usage: [MARK=gpu2] bash tests/gpu/run_on_device.sh [pytest -k expression]   (gpu2: needs 2 GPUs, nvidia-h200-x2)
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/hyb ./runtime || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/hyb ./runtime || exit 1  # --upgrade: replace an earlier call's copy
 export HYBRID_GPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-gpu:/tmp/vb/deps
 export HYBRID_CPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps
 export HYBRID_GPU_OUT=${OUT:-/tmp/hybrid-gpu} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

@@ -44,9 +44,10 @@ def envs_for(stages, cpu_cpus="1-7"):
     return [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus} for s in stages]
 
 
-def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7"):
+def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
+                 strategy="pipeline"):
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
-            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy,
             "extra_args": list(extra_args), "stages": stages, **local_ports()}
     with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus)) as pipe:
         ready = pipe.wait_ready()
@@ -71,6 +72,20 @@ def test_float32_identity(tiny, order):
     got, ready = run_pipeline(tiny, stages, "float32", f"f32-{order}")
     RESULTS[f"float32_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1), "prompts": len(PROMPTS),
                                    "tokens_each": MAX_TOKENS}
+    assert got == ref
+
+
+@pytest.mark.parametrize("order", ["gpu_first", "cpu_first"])
+def test_balanced_split_gemms_identity(tiny, order):
+    """strategy balanced: the CPU stage's GEMMs are split with the GEMM helper on the GPU (CUDA streams,
+    pinned weights, the input read in place over PCIe); greedy tokens equal single-process vLLM."""
+    ref = [r["ids"] for r in reference(tiny, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
+    got, ready = run_pipeline(tiny, stages, "float32", f"f32-balanced-{order}", strategy="balanced")
+    cpu_log = (OUT / f"f32-balanced-{order}" / f"stage-{1 if order == 'gpu_first' else 0}.log").read_text(errors="replace")
+    RESULTS[f"float32_balanced_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1),
+                                            "split_on_cuda": "split with the GEMM helper on cuda" in cpu_log}
+    assert "split with the GEMM helper on cuda" in cpu_log
     assert got == ref
 
 
