@@ -199,4 +199,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["a-all-gpu", "b-offload", "c-cpu-first", "c-gpu-first"])
+    main(sys.argv[1:] or ["a-all-gpu", "b-offload", "c-cpu-first", "d-balanced"])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make bench` on the GPU machine (after the vLLM bundle is in /tmp/pack, see tests/gpu/README.md):
-#   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-cpu-first c-gpu-first (the default),
-#   d-balanced, b-offload-plain (plain `vllm serve --cpu-offload-gb`, no vllm-hybrid)
+#   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-cpu-first d-balanced (the default),
+#   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
+#   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
 # Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1

@@ -33,8 +33,11 @@ class Hardware:
     pcie_gbs: float = 48.5               # weights streamed per step, effective (offload, one token)
     offload_token_s: float = 0.0004      # and each token of a streamed step re-reads weights over UVA
     gpu_step_s: float = 0.004            # a pipeline step's fixed cost: GPU stage, hops, scheduling
-    split_dram_share: float = 0.8        # balanced: share of its DRAM rate a CPU stage keeps while the GPU streams
+    split_pcie_gbs: float = 60.0         # balanced: the GEMM helper's pinned DMA copies (vLLM's UVA offload: pcie_gbs)
+    split_dram_share: float = 0.45       # balanced: share of its decode rate a CPU stage keeps while the GPU streams
     split_call_s: float = 0.0001         # balanced: fixed cost of one split GEMM (socket round trip, sync)
+    split_token_s_per_gb: float = 1.3e-4    # balanced: each token of a decode step, per GB of the stage's weights
+    split_prefill_s_per_gb: float = 3.6e-5  # balanced: each prompt token (copies, attention, norms on the CPU)
 
 
 HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
@@ -142,7 +145,7 @@ def gpu_rows(rows: int, n: int, k: int, elem: int, rates: Rates, share: float | 
 
 def split_rates(hw: Hardware, cores: int) -> Rates:
     """What a CPU stage and its GEMM helper reach side by side (gemm_split picks each split by them)."""
-    return Rates(pcie_gbs=hw.pcie_gbs, cpu_gbs=hw.dram_gbs * hw.cpu_decode_efficiency * hw.split_dram_share,
+    return Rates(pcie_gbs=hw.split_pcie_gbs, cpu_gbs=hw.dram_gbs * hw.cpu_decode_efficiency * hw.split_dram_share,
                  cpu_tflops=cores * hw.cpu_prefill_tflops_per_core)
 
 
@@ -167,10 +170,12 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
             flops_per_token = 2 * weights / shape.dtype_bytes
             cores = stage.cpus or 1
             if lay.helper_of(i) is not None:
-                rates, calls = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s
-                step += split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
+                rates, calls, gb = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s, weights / 1e9
+                step += (split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
+                         + c * gb * hw.split_token_s_per_gb)
                 chunk = min(prompt, plan.max_num_batched_tokens)
-                prefill += chunks * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
+                prefill += (chunks * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
+                            + prompt * gb * hw.split_prefill_s_per_gb)
                 continue
             step += max(weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)
                         + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),

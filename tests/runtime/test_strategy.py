@@ -115,3 +115,18 @@ def test_a_deployment_that_routes_clients_to_stage_0_keeps_it_serving():
     with pytest.raises(PlanError, match="would serve the API from another stage than stage 0"):
         resolve(*planned([CPU, GPU], strategy="offload"), api_stage=0)
     assert resolve(*planned([GPU, CPU], strategy="offload"), api_stage=0)[0].stages == (0,)
+
+
+def test_the_balanced_cost_model_matches_the_bench():
+    # bench/results/gpu_bench-split.json: one H200 lease, CPU stage first (14 CPUs), DRAM measured there
+    import json
+    from pathlib import Path
+    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-split.json").read_text())
+    hw = Hardware(dram_gbs=run["dram_read_gbs"])
+    cpu = {**CPU, "cpus": 14}
+    for w in run["d-balanced"]["waves"]:
+        plan, split = planned([cpu, GPU], strategy="auto", expected_concurrency=w["concurrency"],
+                              expected_prompt_tokens=128, expected_output_tokens=128)
+        lay, est = resolve(plan, split, hw)
+        assert lay.strategy == "balanced"  # the measured best at every concurrency
+        assert est["balanced"] == pytest.approx(w["tok_per_s"], rel=0.1)
