@@ -171,6 +171,7 @@ class SplitClient:
         self.spent[2] += 1
         if self.spent[2] >= self.profile_every:
             cpu, wait, calls = self.spent
+            # warning: vLLM shows its own loggers' INFO only, and this is asked for explicitly
             log.warning("split GEMMs: %d calls (last %d rows), CPU rows %.3f ms/call, then waiting for the "
                         "helper %.3f ms/call", calls, rows, 1e3 * cpu / calls, 1e3 * wait / calls)
             self.spent = [0.0, 0.0, 0]
