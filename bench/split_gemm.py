@@ -1,11 +1,12 @@
 """Can the CPU and the GPU share one CPU stage's GEMMs, each reading its own rows of the weights from
 host RAM at the same time (CPU: DRAM reads; GPU: PCIe DMA)? Torch only, no vLLM; run on the GPU machine.
 
-The 16 decoder layers of the Llama-3.1-8B shape live in one /dev/shm segment (as a CPU stage keeps
-them for the GEMM helper), registered with CUDA. Measured, each alone and together:
+The 16 decoder layers of the Llama-3.1-8B shape live in one /dev/shm segment registered with CUDA (the
+prototype of gemm_split/gemm_helper, in one process). Measured, each alone and together:
   - pinned host -> GPU copy bandwidth from that segment; CPU read bandwidth (torch sum, all threads)
   - one 16-layer pass of the four GEMMs per layer at M rows with the GPU taking the first share of
     each weight's rows (streamed on a copy stream), the CPU the rest (torch F.linear), for several shares
+  - the CPU-only pass again on private copies of the weights (shm's 4 KiB pages cost the CPU reads)
 Usage: python bench/split_gemm.py OUT.json   (OMP threads placed by the caller, e.g. OMP_PLACES)
 """
 import json
@@ -94,7 +95,6 @@ def split_pass(ws, xs, share: float, dev, copy_stream, compute_stream, ring, sta
             ev = torch.cuda.Event()
             ev.record(copy_stream)
         done.append((dst, ev, s))
-    # ring slots are re-used: issue copies lazily instead when the ring is smaller than the pass
     outs = []
     for i, (w, n0) in enumerate(zip(ws, n0s)):
         x = xs[w.shape[1]]

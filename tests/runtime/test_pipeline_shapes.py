@@ -20,6 +20,19 @@ def complete(pipe, prompt):
     return post_json(pipe.url + "/v1/completions", body)["choices"][0]["token_ids"]
 
 
+def alone_and_together(plan, workdir, envs):
+    """Greedy tokens of PROMPTS one at a time (1 row per step), then all at once; and the stage logs."""
+    pipe = LocalPipeline(plan, workdir, envs).start()
+    try:
+        pipe.wait_ready(timeout=900)
+        alone = [complete(pipe, p) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: complete(pipe, p), PROMPTS))
+        return alone, together, [pipe.log(i) for i in (0, 1)]
+    finally:
+        pipe.stop()
+
+
 def resolved(log):
     return json.loads(log.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
 
@@ -61,16 +74,7 @@ def test_three_stages_match_single_process(tiny_llama, reference_ids, tmp_path):
 def test_compiled_stages_match_single_process(tiny_llama, reference_ids, tmp_path):
     # the other tests run eager for speed; vLLM compiles CPU models by default (traced once for
     # every batch size): sequential requests (1 row per step) and concurrent ones give the same tokens
-    plan = plan_for(tiny_llama, extra_args=[])
-    pipe = LocalPipeline(plan, tmp_path, CPU_ENVS).start()
-    try:
-        pipe.wait_ready(timeout=900)
-        alone = [complete(pipe, p) for p in PROMPTS]
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            together = list(pool.map(lambda p: complete(pipe, p), PROMPTS))
-        logs = [pipe.log(i) for i in (0, 1)]
-    finally:
-        pipe.stop()
+    alone, together, logs = alone_and_together(plan_for(tiny_llama, extra_args=[]), tmp_path, CPU_ENVS)
     assert all("AOT compil" in log for log in logs)  # each stage compiled its model (or loaded it)
     assert alone == reference_ids
     assert together == reference_ids
@@ -83,15 +87,10 @@ def test_split_gemms_match_single_process(tiny_llama, reference_ids, tmp_path):
     helper = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.gemm_helper", "--socket", sock, "--device", "cpu"],
                               stdout=open(tmp_path / "helper.log", "wb"), stderr=subprocess.STDOUT)
     split = {"HYBRID_GEMM_SOCKET": sock, "HYBRID_SPLIT_SHARE": "0.5"}
-    pipe = LocalPipeline(plan_for(tiny_llama, extra_args=[]), tmp_path, [{**e, **split} for e in CPU_ENVS]).start()
     try:
-        pipe.wait_ready(timeout=900)
-        alone = [complete(pipe, p) for p in PROMPTS]
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            together = list(pool.map(lambda p: complete(pipe, p), PROMPTS))
-        logs = [pipe.log(i) for i in (0, 1)]
+        alone, together, logs = alone_and_together(plan_for(tiny_llama, extra_args=[]), tmp_path,
+                                                   [{**e, **split} for e in CPU_ENVS])
     finally:
-        pipe.stop()
         helper.terminate()
         helper.wait(10)
     for log in logs:  # stage 0: 1 layer (4 GEMMs); stage 1: 3 layers and the LM head
