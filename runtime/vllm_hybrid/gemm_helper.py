@@ -171,15 +171,13 @@ def serve_connection(conn: socket.socket, device: torch.device) -> None:
         conn.close()
 
 
-def serve(path: str, device: torch.device, ready: threading.Event | None = None) -> None:
+def serve(path: str, device: torch.device) -> None:
     if os.path.exists(path):
         os.unlink(path)  # left by a previous run of this stage
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen()
     log.info("GEMM helper listening on %s (%s)", path, device)
-    if ready:
-        ready.set()
     while True:
         conn, _ = srv.accept()
         threading.Thread(target=serve_connection, args=(conn, device), daemon=True).start()

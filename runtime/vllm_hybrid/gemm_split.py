@@ -164,7 +164,6 @@ class SplitClient:
             gpu = self.io_y[: m * n0].view(m, n0)
             return torch.cat([gpu, cpu], dim=1) if cpu is not None else gpu.clone()
 
-
     def _profile(self, cpu_s: float, wait_s: float, rows: int) -> None:
         self.spent[0] += cpu_s
         self.spent[1] += wait_s
