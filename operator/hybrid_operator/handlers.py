@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 
-from . import metrics
+from . import kube, metrics
 from .kube import KubeApi
 from .reconcile import handle_pod_event, reconcile
 from .settings import GROUP, MANAGER, PLURAL, VERSION, Settings
@@ -39,14 +39,19 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.execution.max_workers = 4
 
 
+@kopf.on.login()
+async def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches use the same credentials as our client (kopf's own loader knows no exec plugins).
+
+    kopf calls this again on a 401, which picks up rotated tokens and re-runs exec plugins."""
+    return await kube.connection_info(await kube.load_configuration())
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings)
     if "api" not in memo:  # tests inject a client pointed at kmock
-        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
-        if info is None:
-            raise kopf.PermanentError("no service account and no kubeconfig found")
-        memo.api = KubeApi.from_connection_info(info)
+        memo.api = await KubeApi.connect()
     memo.setdefault("config", CONFIG)
     port = int(os.environ.get("HYBRID_METRICS_PORT", "0"))
     if port:

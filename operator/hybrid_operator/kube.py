@@ -1,25 +1,34 @@
-"""A small async Kubernetes REST client (aiohttp, already a kopf dependency) with retries.
+"""Kubernetes access for the operator: kubernetes_asyncio's config and transport, our retry policy.
 
-Only what the operator needs: get, list, create, merge-patch, delete. Transient failures
-(409 conflicts on writes, 429, 5xx, connection errors) are retried with backoff.
+Why kubernetes_asyncio: it is the asyncio port of the official Python client, so it loads every
+kubeconfig the official client loads (CA and client certificates embedded or as files, tokens
+and token files, exec credential plugins as EKS and GKE write them, several files in KUBECONFIG)
+and the in-cluster service account with token rotation; it runs on aiohttp like kopf, and it is
+maintained release by release with Kubernetes. lightkube and kr8s load the same forms, but carry
+their own model layers we would not use: the operator's children are plain dicts, so this module
+keeps a small path-based facade (get, list, create, merge-patch, delete) over its ApiClient.
+Transient failures (409 on writes, 429, 5xx, connection errors) are retried with backoff; a 401
+reloads the credentials once (rotated token files, expired exec tokens) and retries.
 """
 from __future__ import annotations
 
 import asyncio
-import base64
+import json as json_lib
 import logging
-import ssl
-import tempfile
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import kopf
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
 
 log = logging.getLogger(__name__)
 
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets", "Pod": "pods",
            "NetworkPolicy": "networkpolicies", "Event": "events", "HybridInference": "hybridinferences"}
 RETRYABLE = {409, 429, 500, 502, 503, 504}
-SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
 class ApiError(Exception):
@@ -54,66 +63,106 @@ def labels_match(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def in_cluster() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.isfile(
+        k8s_config.incluster_config.SERVICE_TOKEN_FILENAME)
+
+
+async def load_configuration(kubeconfig: str | None = None, context: str | None = None) -> k8s.Configuration:
+    """The service account inside a pod, else the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    cfg = k8s.Configuration()
+    if kubeconfig is None and in_cluster():
+        k8s_config.load_incluster_config(client_configuration=cfg)  # re-reads the rotated token every minute
+    else:
+        await k8s_config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg,
+                                          persist_config=False)
+    return cfg
+
+
+async def bearer_token(cfg: k8s.Configuration) -> str | None:
+    """The token the configuration sends now (runs the refresh hooks: in-cluster file, exec plugin)."""
+    value = await cfg.get_api_key_with_prefix("BearerToken")
+    return value.split(" ", 1)[1] if value and value.startswith("Bearer ") else value
+
+
+async def connection_info(cfg: k8s.Configuration) -> kopf.ConnectionInfo:
+    """The same credentials as a kopf ConnectionInfo, for kopf's own watches."""
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+        scheme="Bearer", token=await bearer_token(cfg))
+
+
 class KubeApi:
-    def __init__(self, server: str, *, token: str | None = None, token_path: str | None = None,
-                 ssl_context: ssl.SSLContext | bool | None = None, retries: int = 5, backoff_s: float = 0.2):
-        self.server = server.rstrip("/")
-        self._token, self._token_path = token, token_path
-        self._ssl = ssl_context
+    def __init__(self, cfg: k8s.Configuration, *, reload: Callable[[], Awaitable[k8s.Configuration]] | None = None,
+                 retries: int = 5, backoff_s: float = 0.2):
+        self._client = k8s.ApiClient(cfg)
+        self._reload = reload
         self.retries, self.backoff_s = retries, backoff_s
-        self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_connection_info(cls, info: Any) -> KubeApi:
-        """From a kopf ConnectionInfo (kopf.login_with_service_account / login_with_kubeconfig)."""
-        ctx: ssl.SSLContext | bool | None = None
-        if info.insecure:
-            ctx = False
-        elif info.ca_path or info.ca_data or info.certificate_path or info.certificate_data:
-            cadata = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
-            ctx = ssl.create_default_context(cafile=info.ca_path, cadata=cadata)
-            if info.certificate_path or info.certificate_data:
-                ctx.load_cert_chain(*_cert_files(info))
-        # In-cluster tokens rotate (bound SA tokens): re-read the file on every request.
-        in_cluster = info.server == "https://kubernetes.default.svc" and info.token
-        return cls(info.server, token=None if in_cluster else info.token,
-                   token_path=SA_TOKEN if in_cluster else None, ssl_context=ctx)
+    async def connect(cls, kubeconfig: str | None = None, context: str | None = None, **kw: Any) -> KubeApi:
+        async def reload() -> k8s.Configuration:
+            return await load_configuration(kubeconfig, context)
+        return cls(await reload(), reload=reload, **kw)
+
+    @classmethod
+    def for_server(cls, server: str, token: str | None = None, **kw: Any) -> KubeApi:
+        """A plain server URL (tests against kmock)."""
+        cfg = k8s.Configuration(host=server.rstrip("/"))
+        if token:
+            cfg.api_key["BearerToken"] = f"Bearer {token}"
+        return cls(cfg, **kw)
+
+    @property
+    def server(self) -> str:
+        return self._client.configuration.host
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._client.close()
 
-    def _headers(self) -> dict[str, str]:
-        token = self._token
-        if self._token_path:
-            with open(self._token_path, encoding="utf-8") as f:
-                token = f.read().strip()
-        return {"Authorization": f"Bearer {token}"} if token else {}
+    async def _send(self, method: str, path: str, json: Any, params: dict[str, str] | None,
+                    content_type: str) -> tuple[int, Any]:
+        resp = await self._client.call_api(
+            path, method, query_params=list((params or {}).items()), body=json,
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            auth_settings=["BearerToken"], _preload_content=False, _request_timeout=30)
+        async with resp:
+            raw = await resp.read()
+        try:
+            body = json_lib.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        return resp.status, body
 
     async def request(self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None,
                       content_type: str = "application/json") -> Any:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        reloaded = False
         for attempt in range(self.retries + 1):
             try:
-                async with self._session.request(
-                        method, self.server + path, json=json, params=params, ssl=self._ssl,
-                        headers={**self._headers(), "Content-Type": content_type}) as resp:
-                    body = await resp.json(content_type=None) if resp.content_length != 0 else None
-                    if resp.status < 400:
-                        return body
-                    if method == "POST" and resp.status == 409:
-                        raise AlreadyExists(resp.status, body)
-                    if resp.status not in RETRYABLE or attempt == self.retries:
-                        raise ApiError(resp.status, body)
-                    log.info("retrying %s %s after HTTP %s", method, path, resp.status)
+                status, body = await self._send(method, path, json, params, content_type)
+                if status < 400:
+                    return body
+                if status == 401 and self._reload and not reloaded:
+                    reloaded = True  # a rotated token file or an expired exec credential
+                    log.info("HTTP 401 on %s %s: reloading credentials", method, path)
+                    await self._swap_configuration(await self._reload())
+                    continue
+                if method == "POST" and status == 409:
+                    raise AlreadyExists(status, body)
+                if status not in RETRYABLE or attempt == self.retries:
+                    raise ApiError(status, body)
+                log.info("retrying %s %s after HTTP %s", method, path, status)
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 if attempt == self.retries:
                     raise
                 log.info("retrying %s %s after %r", method, path, exc)
             await asyncio.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    async def _swap_configuration(self, cfg: k8s.Configuration) -> None:
+        old, self._client = self._client, k8s.ApiClient(cfg)
+        await old.close()
 
     async def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -123,11 +172,16 @@ class KubeApi:
                 return None
             raise
 
-    async def list(self, path: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        params = {"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())}
+    async def list(self, path: str, selector: dict[str, str] | None = None,
+                   fields: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        params = {}
+        if selector:
+            params["labelSelector"] = ",".join(f"{k}={v}" for k, v in selector.items())
+        if fields:
+            params["fieldSelector"] = ",".join(f"{k}={v}" for k, v in fields.items())
         body = await self.request("GET", path, params=params)
         # Filter again locally: cheap, and keeps the logic right on servers that ignore the selector.
-        return [item for item in (body or {}).get("items", []) if labels_match(item, selector)]
+        return [item for item in (body or {}).get("items", []) if labels_match(item, selector or {})]
 
     async def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
         return await self.request("POST", path, json=obj)
@@ -144,18 +198,3 @@ class KubeApi:
             if exc.status == 404:
                 return False
             raise
-
-
-def _cert_files(info: Any) -> tuple[str, str | None]:
-    def materialise(path: Any, data: Any) -> str | None:
-        if path or not data:
-            return path
-        raw = data if isinstance(data, bytes) else data.encode()
-        if not raw.lstrip().startswith(b"-----"):
-            raw = base64.b64decode(raw)
-        with tempfile.NamedTemporaryFile(delete=False, suffix=".pem") as f:
-            f.write(raw)
-        return f.name
-    cert = materialise(info.certificate_path, info.certificate_data)
-    assert cert is not None
-    return cert, materialise(info.private_key_path, info.private_key_data)

@@ -90,7 +90,7 @@ class OperatorLoop(threading.Thread):
                 km.resources[res] = kmock_lib.ResourceInfo(namespaced=True, kind=kind,
                                                            subresources={"status"} if res == HI else set())
             km.objects[HI, NAMESPACE, PIPELINE] = body
-            api = KubeApi(str(km.url), retries=2, backoff_s=0.01)
+            api = KubeApi.for_server(str(km.url), retries=2, backoff_s=0.01)
             try:
                 while not self.stopping.is_set():
                     await reconcile(api, body, Settings(network_policy=True))
@@ -111,7 +111,7 @@ async def failing_reconcile() -> None:
     from hybrid_operator.kube import KubeApi
     from hybrid_operator.settings import Settings
 
-    dead = KubeApi(f"http://127.0.0.1:{free_port()}", retries=0, backoff_s=0.01)
+    dead = KubeApi.for_server(f"http://127.0.0.1:{free_port()}", retries=0, backoff_s=0.01)
     try:
         with pytest.raises(Exception):  # noqa: B017 - any connection error
             await handlers.reconcile_instance(body=instance_body(), memo=SimpleNamespace(api=dead, config=Settings()),

@@ -28,7 +28,7 @@ async def api(kmock):
     for res, kind in RESOURCES.items():
         kmock.resources[res] = kmock_lib.ResourceInfo(namespaced=True, kind=kind,
                                                       subresources={"status"} if res == HI else set())
-    client = KubeApi(str(kmock.url), retries=4, backoff_s=0.01)
+    client = KubeApi.for_server(str(kmock.url), retries=4, backoff_s=0.01)
     yield client
     await client.close()
 
@@ -275,7 +275,7 @@ async def test_operator_restart_between_steps_converges_without_duplicates(kmock
     kmock.objects["apps/v1/statefulsets", "ml", "llama-cpu2"] = {  # stale leftover, no annotations
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": "llama-cpu2", "namespace": "ml"}, "spec": {"replicas": 5}}
-    fresh = KubeApi(str(kmock.url), retries=2, backoff_s=0.01)  # the restarted operator
+    fresh = KubeApi.for_server(str(kmock.url), retries=2, backoff_s=0.01)  # the restarted operator
     try:
         first = await reconcile(fresh, body, SETTINGS)
         second = await reconcile(fresh, live(kmock, HI)["llama"], SETTINGS)
