@@ -59,7 +59,11 @@ async def refresh_status(api: KubeApi, body: dict[str, Any], settings: Settings)
     selector = names.instance_selector(meta["name"])
     statefulsets = await api.list(path_for("apps/v1", "StatefulSet", meta["namespace"]), selector)
     pods = await api.list(path_for("v1", "Pod", meta["namespace"]), selector)
-    status = compute_status(body, statefulsets, pods, utcnow(), settings)
+    # Only when a StatefulSet is short of pods: the controller's FailedCreate events say why.
+    short = any((s.get("status") or {}).get("replicas", 0) < s["spec"].get("replicas", 0) for s in statefulsets)
+    events = await api.list(path_for("v1", "Event", meta["namespace"]),
+                            fields={"involvedObject.kind": "StatefulSet"}) if short else []
+    status = compute_status(body, statefulsets, pods, utcnow(), settings, events)
     old = body.get("status") or {}
     if old.get("phase") != status["phase"]:
         kind = "Warning" if status["phase"] == "Degraded" else "Normal"

@@ -33,6 +33,32 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _event_time(event: dict[str, Any]) -> str:
+    """Seconds-resolution UTC time of an event's latest occurrence (core/v1 or events/v1 writers)."""
+    stamp = ((event.get("series") or {}).get("lastObservedTime") or event.get("lastTimestamp")
+             or event.get("eventTime") or event.get("firstTimestamp") or "")
+    return stamp[:19]
+
+
+def creation_failures(statefulsets: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """("FailedCreate", controller's message) for each StatefulSet short of pods whose last create failed.
+
+    Admission refusals of pods (Pod Security, ResourceQuota, LimitRange, webhooks) leave no pod to
+    look at: the StatefulSet controller reports them only as events on the StatefulSet."""
+    out = []
+    for sts in statefulsets:
+        meta = sts["metadata"]
+        if (sts.get("status") or {}).get("replicas", 0) >= (sts.get("spec") or {}).get("replicas", 0):
+            continue
+        mine = [e for e in events if e.get("involvedObject", {}).get("name") == meta["name"]
+                and e.get("involvedObject", {}).get("uid") in (None, meta.get("uid"))]
+        failed = max((e for e in mine if e.get("reason") == "FailedCreate"), key=_event_time, default=None)
+        created = max((_event_time(e) for e in mine if e.get("reason") == "SuccessfulCreate"), default="")
+        if failed is not None and _event_time(failed) >= created:
+            out.append(("FailedCreate", f"statefulset {meta['name']}: {failed.get('message', 'FailedCreate')}"))
+    return out
+
+
 def pod_ready(pod: dict[str, Any]) -> bool:
     if pod.get("metadata", {}).get("deletionTimestamp"):
         return False
@@ -71,7 +97,8 @@ def _rolling_out(sts: dict[str, Any] | None, wanted: int) -> bool:
 
 
 def compute_status(body: dict[str, Any], statefulsets: list[dict[str, Any]], pods: list[dict[str, Any]],
-                   now: str, settings: Settings | None = None) -> dict[str, Any]:
+                   now: str, settings: Settings | None = None,
+                   events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     settings = settings or Settings()
     meta, spec = body["metadata"], with_defaults(body["spec"])
     name, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
@@ -92,7 +119,9 @@ def compute_status(body: dict[str, Any], statefulsets: list[dict[str, Any]], pod
     # A pipeline replica is ready only when pod i of every stage is ready.
     ready = sum(1 for i in range(wanted) if all(i in r for r in ready_by_stage)) if stages else 0
     current = min((s["replicas"] for s in stage_status), default=0)
-    problems = [p for p in (pod_problem(pod) for pod in sorted(pods, key=lambda p: p["metadata"]["name"])) if p]
+    # Refused pod creations first: nothing else can progress until they are fixed.
+    problems = creation_failures(sorted(statefulsets, key=lambda s: s["metadata"]["name"]), events or []) + [
+        p for p in (pod_problem(pod) for pod in sorted(pods, key=lambda p: p["metadata"]["name"])) if p]
     rolling = any(_rolling_out(by_name.get(names.statefulset(name, s["name"])), wanted) for s in stages)
 
     previous = {c["type"]: c for c in body.get("status", {}).get("conditions", [])}

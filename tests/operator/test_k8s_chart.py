@@ -16,7 +16,7 @@ EXPECTED_RULES = {
     ("", "services"): {"get", "create", "patch"},
     ("apps", "statefulsets"): {"get", "list", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch", "delete"},
-    ("", "events"): {"create"},
+    ("", "events"): {"create", "list"},
 }
 NETWORK_POLICY_RULE = {("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"}}
 
