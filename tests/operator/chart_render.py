@@ -12,10 +12,8 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BIN / "helm"), *args], capture_output=True, text=True, timeout=120, check=False)
 
 
-def helm_template(*values: str, include_crds: bool = False) -> list[dict[str, Any]]:
+def helm_template(*values: str) -> list[dict[str, Any]]:
     args = ["template", "hi", str(CHART), "--namespace", "hybrid-system", *values]
-    if include_crds:
-        args.append("--include-crds")
     out = helm(*args)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
