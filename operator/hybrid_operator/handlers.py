@@ -4,6 +4,7 @@ Run: kopf run --standalone --all-namespaces -m hybrid_operator.handlers
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from .settings import GROUP, MANAGER, PLURAL, VERSION, Settings
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 CONFIG = Settings.from_env()
+log = logging.getLogger(__name__)
 
 
 def plain(obj: Any) -> Any:
@@ -48,11 +50,12 @@ async def login(**_: Any) -> kopf.ConnectionInfo:
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, instances: kopf.Index, **_: Any) -> None:
     configure(settings)
     if "api" not in memo:  # tests inject a client pointed at kmock
         memo.api = await KubeApi.connect()
     memo.setdefault("config", CONFIG)
+    memo.resync = asyncio.create_task(resync_instances(memo, instances))
     port = int(os.environ.get("HYBRID_METRICS_PORT", "0"))
     if port:
         metrics.serve(port)
@@ -60,6 +63,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    if "resync" in memo:
+        memo.resync.cancel()
     await memo.api.close()
 
 
@@ -76,14 +81,28 @@ async def reconcile_instance(body: kopf.Body, memo: kopf.Memo, logger: Any, **_:
         raise
 
 
-@kopf.timer(*RESOURCE, interval=CONFIG.status_interval_s, initial_delay=CONFIG.status_interval_s)
-async def resync_instance(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Recreates deleted or drifted children and refreshes status from the pods."""
-    try:
-        await reconcile(memo.api, plain(body), memo.config)
-    except Exception:
-        metrics.ERRORS.labels(handler="resync").inc()
-        raise
+@kopf.index(*RESOURCE)
+def instances(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The live instances, kept current by kopf's watch (an index puts no finalizer on them)."""
+    return {(namespace, name): plain(body)}
+
+
+async def resync_instances(memo: kopf.Memo, index: kopf.Index) -> None:
+    """Every status interval: recreate deleted or drifted children and refresh status from the pods.
+
+    One loop instead of a kopf.timer: timers put a finalizer on every instance, so with the operator
+    uninstalled or down, deleting an instance (or its namespace) would hang."""
+    while True:
+        await asyncio.sleep(memo.config.status_interval_s)
+        for key in list(index):
+            for body in list(index.get(key, [])):
+                if body["metadata"].get("deletionTimestamp"):
+                    continue
+                try:
+                    await reconcile(memo.api, body, memo.config)
+                except Exception as exc:  # noqa: BLE001  one instance's failure must not stop the others
+                    metrics.ERRORS.labels(handler="resync").inc()
+                    log.warning("resync of %s/%s failed: %s", *key, exc)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)  # optional: no finalizer; owner references clean up

@@ -137,14 +137,14 @@ class KubeApi:
 
     async def request(self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None,
                       content_type: str = "application/json") -> Any:
-        reloaded = False
-        for attempt in range(self.retries + 1):
+        reloaded, attempt = False, 0
+        while True:
             try:
                 status, body = await self._send(method, path, json, params, content_type)
                 if status < 400:
                     return body
                 if status == 401 and self._reload and not reloaded:
-                    reloaded = True  # a rotated token file or an expired exec credential
+                    reloaded = True  # a rotated token file or an expired exec credential: not an attempt
                     log.info("HTTP 401 on %s %s: reloading credentials", method, path)
                     await self._swap_configuration(await self._reload())
                     continue
@@ -158,7 +158,7 @@ class KubeApi:
                     raise
                 log.info("retrying %s %s after %r", method, path, exc)
             await asyncio.sleep(self.backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")
+            attempt += 1
 
     async def _swap_configuration(self, cfg: k8s.Configuration) -> None:
         old, self._client = self._client, k8s.ApiClient(cfg)
