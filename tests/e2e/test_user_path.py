@@ -249,6 +249,18 @@ def test_group_restart(kube, operator):
     assert any("llama-cpu-0" in e["message"] for e in events)
 
 
+def test_deleted_and_drifted_children_are_repaired_by_the_resync(kube, operator):
+    t0 = time.monotonic()
+    kube.kubectl("delete", "statefulset", "llama-cpu", "-n", "llm", "--cascade=orphan")
+    kube.kubectl("patch", "service", "llama", "-n", "llm", "--type=merge", "-p", '{"spec":{"ports":[{"port":1234}]}}')
+    kube.wait(lambda: kube.kubectl("get", "statefulset", "llama-cpu", "-n", "llm", check=False).returncode == 0,
+              3 * STATUS_INTERVAL + 10, "llama-cpu recreated")
+    kube.wait(lambda: kube.get("service", "llama", "-n", "llm")["spec"]["ports"][0]["port"] == 8000,
+              3 * STATUS_INTERVAL + 10, "the client Service's port repaired")
+    timed("deleted StatefulSet + drifted Service repaired", time.monotonic() - t0)
+    wait_phase(kube, "llm", "llama", "Ready")
+
+
 def test_delete_cascades_to_every_child(kube, operator):
     children = ["statefulsets", "services", "configmaps", "pods"]
     owned = lambda: [item["metadata"]["name"] for kind in children  # noqa: E731
