@@ -1,8 +1,9 @@
 """Side-by-side benchmark on the GPU machine (issue: performance), one lease, Llama-3.1-8B shape,
 dummy bf16 weights:
   (a) all layers on the GPU (ceiling)
-  (b) vLLM --cpu-offload-gb holding the layers the CPU stage would hold: the plan's `offload`
-      strategy (V1 runner; the engine log must say UVAOffloader)
+  (b) vLLM's offloaders holding the layers the CPU stage would hold: the plan's `offload` strategy
+      with the prefetch offloader (b-offload; the engine log must say PrefetchOffloader) or UVA,
+      --cpu-offload-gb (b-offload-uva), and both as plain `vllm serve` (b-prefetch-plain, b-offload-plain)
   (c) our pipeline: 16 layers on a GPU stage + 16 on a CPU stage, GPU first (c-gpu-first) or last
   (d) `balanced`: (c) with every GEMM of the CPU stage split between the CPU (its DRAM) and the GEMM
       helper on the GPU (PCIe), CPU first (d-balanced) or GPU first
@@ -135,7 +136,8 @@ def run_plain(model, extra, env):
         server.stop()
 
 
-def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str | None = None, **env):
+def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str | None = None,
+                 plan_extra: dict | None = None, **env):
     tuning = cpu_tuning()
     tuning["env"].update(env)
     gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
@@ -143,7 +145,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
            "memory": "24Gi"}
     stages = [gpu, cpu] if gpu_first else [cpu, gpu]
     plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
-            "strategy": strategy, "stages": stages, **SHAPE, **local_ports()}
+            "strategy": strategy, "stages": stages, **SHAPE, **local_ports(), **(plan_extra or {})}
     cpu_cores = set(parse_cpulist(tuning["env"]["HYBRID_CPUS"]))
     if strategy == "balanced":  # the GEMM helper gets a core of its own (the launcher takes the GPU stage's last)
         cpu_cores.discard(max(cpu_cores))
@@ -160,15 +162,20 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
                             for i in range(len(stages))]}
         out.update(drive(pipe.url, "m", [pipe.metrics_url(i) for i in range(len(stages))]))
         if strategy == "offload":
-            out["offload_verified"] = "UVAOffloader" in pipe.log(0)
+            wanted = "UVAOffloader" if plan.get("offload_backend") == "uva" else "PrefetchOffloader"
+            out["offload_verified"] = f"Offloader set to {wanted}" in pipe.log(0)
         return out
 
 
 CONFIGS = {
     "a-all-gpu": lambda m: run_plain(m, [], GPU_ENV),
-    "b-offload": lambda m: run_pipeline(m, True, "offload"),
+    "b-offload": lambda m: run_pipeline(m, True, "offload"),  # vLLM's prefetch offloader
+    "b-offload-uva": lambda m: run_pipeline(m, True, "offload", "offload-uva-gpu-first", {"offload_backend": "uva"}),
+    # what a user runs instead of this project: plain `vllm serve`, no plugin (V1 runner: V2 ignores both)
     "b-offload-plain": lambda m: run_plain(m, [f"--cpu-offload-gb={OFFLOAD_GIB}"],
                                            {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
+    "b-prefetch-plain": lambda m: run_plain(m, ["--offload-group-size=2", "--offload-num-in-group=1",
+                                                "--offload-prefetch-step=1"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "c-gpu-first": lambda m: run_pipeline(m, True),
     "c-cpu-first": lambda m: run_pipeline(m, False),
     "d-balanced": lambda m: run_pipeline(m, False, "balanced"),

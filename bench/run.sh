@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make bench` on the GPU machine (after the vLLM bundle is in /tmp/pack, see tests/gpu/README.md):
 #   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-cpu-first d-balanced (the default),
+#   b-offload-uva, b-prefetch-plain,
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
 # Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.

@@ -9,7 +9,7 @@ from pathlib import Path
 from .cpubind import CpuBinding
 from .plan import Plan, PlanError
 from .planner import GiB, Split
-from .strategy import Layout, hardware_of, layout, split_rates
+from .strategy import Layout, hardware_of, layout, prefetch_groups, split_rates
 
 GPU_VLLM_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # the V2 runner's pipeline path does not go through our hop patches
@@ -63,6 +63,9 @@ def helper_command(plan: Plan, split: Split, ident: Identity, env: dict[str, str
             "--device", "cuda"]
 
 
+OFFLOADERS = {"prefetch": "PrefetchOffloader", "uva": "UVAOffloader"}  # plan.offload_backend -> vLLM's class
+
+
 def _layout(plan: Plan, split: Split, lay: Layout | None) -> Layout:
     return lay or layout(plan, split, "pipeline")
 
@@ -92,7 +95,11 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
         argv += ["--revision", plan.revision]
     if not stage.is_cpu:
         argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization)]
-        if streamed := lay.offload_bytes[rank]:
+        if (streamed := lay.offload_bytes[rank]) and plan.offload_backend == "prefetch":
+            group, in_group = prefetch_groups(lay.layers[rank], round(streamed / split.shape.layer_bytes))
+            argv += ["--offload-group-size", str(group), "--offload-num-in-group", str(in_group),
+                     "--offload-prefetch-step", "1"]
+        elif streamed:
             # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
             argv += ["--cpu-offload-gb", f"{streamed / GiB / stage.tensor_parallel:.2f}"]
     if rank == 0:
@@ -129,6 +136,9 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
         env["VLLM_HOST_IP"] = ident.host_ip
     if Path(plan.model).is_dir():
         env.setdefault("HF_HUB_OFFLINE", "1")
+    if lay.offload_bytes[lay.stages.index(ident.stage)]:
+        # vLLM ignores offload flags it cannot honour (the V2 runner does): patches.patch_check_offloader
+        env["HYBRID_EXPECT_OFFLOADER"] = OFFLOADERS[plan.offload_backend]
     if stage.is_cpu:
         assert binding is not None
         env.update({

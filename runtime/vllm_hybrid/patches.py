@@ -314,6 +314,28 @@ def patch_split_gemm(layer_utils, cpu_model_runner) -> None:
     APPLIED.append("dispatch_cpu_unquantized_gemm + CPUModelRunner.load_model(split GEMMs with the GPU)")
 
 
+def patch_check_offloader(gpu_worker) -> None:
+    # vllm.v1.worker.gpu_worker.Worker.load_model: vLLM 0.26 silently ignores offload flags it cannot
+    # honour (Model Runner V2 ignores --offload-group-size and --cpu-offload-gb and keeps every weight
+    # on the GPU). When the launcher streams weights, fail at start, naming what runs instead.
+    from vllm.model_executor.offloader.base import get_offloader
+    cls = gpu_worker.Worker
+    original = cls.load_model
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        wanted, running = os.environ["HYBRID_EXPECT_OFFLOADER"], type(get_offloader()).__name__
+        if running != wanted:
+            raise RuntimeError(f"strategy offload: vLLM runs {running}, not {wanted}: the layers meant to be "
+                               "streamed from host memory stay on the GPU (Model Runner V2 ignores vLLM's "
+                               "offload flags; VLLM_USE_V2_MODEL_RUNNER must be 0)")
+        return out
+
+    cls.load_model = load_model
+    APPLIED.append(f"Worker.load_model(check offloader is {os.environ['HYBRID_EXPECT_OFFLOADER']})")
+
+
 def die_with_parent() -> None:
     # Not an upstream function: every vLLM process (API server, engine core, workers) asks the
     # kernel for SIGKILL when its parent dies. vLLM's workers otherwise outlive a killed parent while
@@ -347,6 +369,8 @@ def apply_all() -> list[str]:
     patch_dummy_weights_once(dummy_loader)
     patch_worker_step_metrics(gpu_worker)
     patch_pad_received_activations(gpu_model_runner)
+    if os.environ.get("HYBRID_EXPECT_OFFLOADER"):
+        patch_check_offloader(gpu_worker)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     from . import gemm_split

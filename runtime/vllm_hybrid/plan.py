@@ -12,6 +12,7 @@ import yaml
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 DEVICES = ("gpu", "cpu")
 STRATEGIES = ("pipeline", "offload", "balanced", "auto")
+OFFLOAD_BACKENDS = ("prefetch", "uva")  # vLLM's two weight offloaders (strategy offload)
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|)$")
 _SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
@@ -65,6 +66,7 @@ class Plan:
     metrics_port: int = 9100
     load_format: str = "auto"
     strategy: str = "pipeline"
+    offload_backend: str = "prefetch"  # strategy offload: vLLM's prefetch offloader, or UVA (--cpu-offload-gb)
     # the workload `strategy: auto` plans for (None: see strategy.Workload's defaults)
     expected_concurrency: int | None = None
     expected_prompt_tokens: int | None = None
@@ -84,7 +86,7 @@ class Plan:
 _TOP_INT = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
             "api_port", "master_port", "supervisor_port", "metrics_port",
             "expected_concurrency", "expected_prompt_tokens", "expected_output_tokens")
-_TOP_STR = ("model", "served_model_name", "revision", "dtype", "load_format", "strategy")
+_TOP_STR = ("model", "served_model_name", "revision", "dtype", "load_format", "strategy", "offload_backend")
 _STAGE_KEYS = {"name", "device", "tensor_parallel", "layers", "gpu_memory_utilization", "cpus", "memory"}
 
 
@@ -169,6 +171,8 @@ def plan_from_dict(raw: Any) -> Plan:
         raise PlanError(f"dtype: expected one of {DTYPES}, got {kwargs['dtype']!r}")
     if kwargs.get("strategy", "pipeline") not in STRATEGIES:
         raise PlanError(f"strategy: expected one of {STRATEGIES}, got {kwargs['strategy']!r}")
+    if kwargs.get("offload_backend", "prefetch") not in OFFLOAD_BACKENDS:
+        raise PlanError(f"offload_backend: expected one of {OFFLOAD_BACKENDS}, got {kwargs['offload_backend']!r}")
     if kwargs.get("block_size", 128) % 32:
         raise PlanError(f"block_size: must be a multiple of 32 (CPU attention), got {kwargs['block_size']}")
     extra = raw.get("extra_args") or []

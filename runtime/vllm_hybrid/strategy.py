@@ -2,7 +2,9 @@
 
 pipeline  CPU stages compute their layers, reading the weights from their own DRAM.
 offload   GPU stages only: the CPU stages' layers stay in the GPU pod's host RAM and are streamed
-          to the GPU every step (vLLM --cpu-offload-gb, which needs the V1 model runner).
+          to the GPU every step by vLLM's prefetch offloader (--offload-group-size: a copy stream
+          fills static GPU buffers a layer ahead, once per step) or, with offload_backend uva, by
+          --cpu-offload-gb (the GPU reads host memory per use). Both need the V1 model runner.
 balanced  Both at once: every CPU stage computes its layers, and each of its matrix products is split
           row-wise with the GEMM helper of a GPU stage (gemm_split.py), which streams its share of the
           weights over PCIe while the CPU reads the rest from DRAM.
@@ -30,8 +32,10 @@ class Hardware:
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
-    pcie_gbs: float = 48.5               # weights streamed per step, effective (offload, one token)
+    pcie_gbs: float = 48.5               # weights streamed per step, effective (offload uva, one token)
     offload_token_s: float = 0.0004      # and each token of a streamed step re-reads weights over UVA
+    prefetch_pcie_gbs: float = 55.0      # offload prefetch: copies per step (issue 16's H200 run: 127 ms for 6.98 GB)
+    prefetch_token_s: float = 0.00008    # and each token of the step (that run: 131 ms at 1, 136 ms at 64)
     gpu_step_s: float = 0.004            # a pipeline step's fixed cost: GPU stage, hops, scheduling
     split_pcie_gbs: float = 60.0         # balanced: the GEMM helper's pinned DMA copies (vLLM's UVA offload: pcie_gbs)
     split_dram_share: float = 0.45       # balanced: share of its decode rate a CPU stage keeps while the GPU streams
@@ -81,6 +85,13 @@ class Layout:
         for i, n in zip(self.stages, self.layers):
             out[i], first = f"{first}-{first + n - 1}", first + n
         return out
+
+
+def prefetch_groups(layers: int, streamed: int) -> tuple[int, int]:
+    """(--offload-group-size, --offload-num-in-group) that stream exactly `streamed` of a stage's `layers`:
+    vLLM's prefetch offloader streams the last num_in_group layers of every group_size layers."""
+    g = math.gcd(layers, streamed)
+    return layers // g, streamed // g
 
 
 def _gpu_for(gpus: list[int], i: int) -> int:
@@ -181,6 +192,10 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
                         + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
                         c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
             prefill += prompt * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12)
+        elif lay.offload_bytes[k] and plan.offload_backend == "prefetch":
+            stream = lay.offload_bytes[k] / (hw.prefetch_pcie_gbs * 1e9)  # once per step, whatever its tokens
+            step += stream + c * hw.prefetch_token_s
+            prefill += chunks * stream + prompt * hw.prefetch_token_s
         elif lay.offload_bytes[k]:
             stream = lay.offload_bytes[k] / (hw.pcie_gbs * 1e9)
             step += stream + c * hw.offload_token_s

@@ -45,9 +45,9 @@ def envs_for(stages, cpu_cpus="1-7"):
 
 
 def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
-                 strategy="pipeline"):
+                 strategy="pipeline", **plan_extra):
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
-            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy, **plan_extra,
             "extra_args": list(extra_args), "stages": stages, **local_ports()}
     with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus)) as pipe:
         ready = pipe.wait_ready()
@@ -86,6 +86,23 @@ def test_balanced_split_gemms_identity(tiny, order):
     RESULTS[f"float32_balanced_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1),
                                             "split_on_cuda": "split with the GEMM helper on cuda" in cpu_log}
     assert "split with the GEMM helper on cuda" in cpu_log
+    assert got == ref
+
+
+@pytest.mark.parametrize("backend", ["prefetch", "uva"])
+def test_offload_identity(tiny, backend):
+    """strategy offload: the GPU stage runs every layer, the CPU stage's 3 streamed from host memory by
+    vLLM's prefetch offloader (or UVA); greedy tokens equal single-process vLLM, and the engine says
+    which offloader ran (the launcher's check fails the stage otherwise)."""
+    ref = [r["ids"] for r in reference(tiny, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    name = f"f32-offload-{backend}"
+    got, ready = run_pipeline(tiny, [stage("gpu", 1), stage("cpu", 3)], "float32", name, strategy="offload",
+                              offload_backend=backend)
+    log = (OUT / name / "stage-0.log").read_text(errors="replace")
+    wanted = {"prefetch": "PrefetchOffloader", "uva": "UVAOffloader"}[backend]
+    RESULTS[f"float32_offload_{backend}"] = {"identical": got == ref, "ready_s": round(ready, 1),
+                                             "offloader": f"Offloader set to {wanted}" in log}
+    assert f"Offloader set to {wanted}" in log
     assert got == ref
 
 
