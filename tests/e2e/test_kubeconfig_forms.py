@@ -80,38 +80,37 @@ async def test_wrong_token_is_refused_not_retried_forever(cluster, tmp_path):
     assert err.value.status == 401
 
 
-async def test_token_file_rotation(cluster, tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text(revocable_token(cluster, "file-token-1"))
-    api = await kube_client.KubeApi.connect(str(cluster.token_kubeconfig(tmp_path / "kubeconfig", tokenFile=str(token_file))),
-                                            retries=0)
+async def survives_rotation(cluster, token_file, kubeconfig, name: str) -> None:
+    """The client lists, the token in token_file is replaced and the old one revoked (a kubelet rotating a
+    projected token, an exec plugin's credential expiring), and the next list still succeeds: a 401, a
+    reload of the credentials, a retry."""
+    token_file.write_text(revocable_token(cluster, f"{name}-1"))
+    api = await kube_client.KubeApi.connect(str(kubeconfig) if kubeconfig else None, retries=0)
     try:
         assert isinstance(await api.list(LIST_PATH), list)
-        token_file.write_text(revocable_token(cluster, "file-token-2"))  # the kubelet rotates the file...
-        cluster.kubectl("delete", "secret", "file-token-1", "-n", NS)  # ...and the old token expires
-        assert isinstance(await api.list(LIST_PATH), list)  # a 401, a reload, a retry
+        token_file.write_text(revocable_token(cluster, f"{name}-2"))
+        cluster.kubectl("delete", "secret", f"{name}-1", "-n", NS)
+        assert isinstance(await api.list(LIST_PATH), list)
     finally:
         await api.close()
+
+
+async def test_token_file_rotation(cluster, tmp_path):
+    token_file = tmp_path / "token"
+    await survives_rotation(cluster, token_file, cluster.token_kubeconfig(tmp_path / "kubeconfig", tokenFile=str(token_file)),
+                            "file-token")
 
 
 async def test_exec_credential_plugin_rerun_after_revocation(cluster, tmp_path):
     """EKS (`aws eks get-token`) and GKE (`gke-gcloud-auth-plugin`) kubeconfigs run a plugin for the token."""
     token_file = tmp_path / "current-token"
-    token_file.write_text(revocable_token(cluster, "exec-token-1"))
     plugin = tmp_path / "plugin"
     plugin.write_text('#!/bin/sh\nprintf \'{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential",'
                       f'"status":{{"token":"%s"}}}}\' "$(cat {token_file})"\n')
     plugin.chmod(0o755)
     kubeconfig = cluster.token_kubeconfig(tmp_path / "kubeconfig", exec={
         "apiVersion": "client.authentication.k8s.io/v1", "command": str(plugin), "interactiveMode": "Never"})
-    api = await kube_client.KubeApi.connect(str(kubeconfig), retries=0)
-    try:
-        assert isinstance(await api.list(LIST_PATH), list)
-        token_file.write_text(revocable_token(cluster, "exec-token-2"))
-        cluster.kubectl("delete", "secret", "exec-token-1", "-n", NS)
-        assert isinstance(await api.list(LIST_PATH), list)
-    finally:
-        await api.close()
+    await survives_rotation(cluster, token_file, kubeconfig, "exec-token")
     # kopf's own watches log in with the same credentials
     info = await kube_client.connection_info(await kube_client.load_configuration(str(kubeconfig)))
     assert info.token == token_file.read_text() and info.ca_path and not info.insecure
@@ -120,20 +119,12 @@ async def test_exec_credential_plugin_rerun_after_revocation(cluster, tmp_path):
 async def test_in_cluster_service_account_with_rotation(cluster, tmp_path, monkeypatch):
     token_file, ca_file = tmp_path / "token", tmp_path / "ca.crt"
     ca_file.write_bytes(base64.b64decode(cluster.ca_data))
-    token_file.write_text(revocable_token(cluster, "pod-token-1"))
     host, port = cluster.server.removeprefix("https://").rsplit(":", 1)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
     monkeypatch.setenv("KUBECONFIG", "/nonexistent")  # in a pod there is none: the service account wins
     monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token_file))
     monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca_file))
+    token_file.write_text("placeholder")  # the file a pod has from its start
     assert kube_client.in_cluster()
-    api = await kube_client.KubeApi.connect(retries=0)
-    try:
-        assert isinstance(await api.list(LIST_PATH), list)
-        token_file.write_text(revocable_token(cluster, "pod-token-2"))
-        cluster.kubectl("delete", "secret", "pod-token-1", "-n", NS)
-        assert isinstance(await api.list(LIST_PATH), list)
-    finally:
-        await api.close()
-
+    await survives_rotation(cluster, token_file, None, "pod-token")
