@@ -62,16 +62,20 @@ def prepare_model(out: str | Path = DEFAULT_DIR, dtype: str = "float32", gguf: P
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
-    (tmp / "config.json").write_text(json.dumps(hf_config(model.config.to_dict(), dtype), indent=1))
-    # tied embeddings: lm_head.weight is embed_tokens.weight, which safetensors will not store twice
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    (tmp / "hybrid-model.json").write_text(json.dumps(spec))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+        (tmp / "config.json").write_text(json.dumps(hf_config(model.config.to_dict(), dtype), indent=1))
+        # tied embeddings: lm_head.weight is embed_tokens.weight, which safetensors will not store twice
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        weights = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        (tmp / "hybrid-model.json").write_text(json.dumps(spec))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
