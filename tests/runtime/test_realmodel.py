@@ -60,3 +60,4 @@ def test_stage_time_line_reports_the_request_only():
     line = demo.stage_time_line(1, "s1", "7-16", before, after)
     assert line == ("stage 1 s1 (layers 7-16): 10 steps, computing 1.00 s (100.0 ms/step), "
                     "waiting for the previous stage 0.50 s, sending 0.10 s")
+    assert "waiting" not in demo.stage_time_line(0, "s0", "0-6", before, after)
