@@ -21,6 +21,7 @@ demo:
 lint:
 	$(VENV)/bin/ruff check runtime operator tests scripts bench
 	$(VENV)/bin/helm lint charts/hybrid-inference
+	$(VENV)/bin/hadolint images/*/Dockerfile
 
 bench:
 	bash bench/run.sh

