@@ -9,7 +9,7 @@ from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.strategy import Hardware, resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
-ORDER = ("a-all-gpu", "b-offload", "b-offload-plain", "c-cpu-first", "c-gpu-first", "c-cpu-first-2batches", "d-balanced")
+ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first", "c-cpu-first-2batches", "d-balanced")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": "c-cpu-first", "offload": "b-offload", "balanced": "d-balanced"}
 

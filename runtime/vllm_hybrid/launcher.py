@@ -101,7 +101,8 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
                      "--offload-prefetch-step", "1"]
         elif streamed:
             # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
-            argv += ["--cpu-offload-gb", f"{streamed / GiB / stage.tensor_parallel:.2f}"]
+            # (6 significant digits: a small model's layers round to 0.00 GiB, which vLLM takes as no offload)
+            argv += ["--cpu-offload-gb", f"{streamed / GiB / stage.tensor_parallel:.6g}"]
     if rank == 0:
         argv += ["--host", "0.0.0.0", "--port", str(plan.api_port),
                  "--middleware", "vllm_hybrid.api_guard.RequestGuard"]

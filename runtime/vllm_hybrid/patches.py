@@ -332,7 +332,7 @@ def patch_check_offloader(gpu_worker) -> None:
         if running != wanted:
             raise RuntimeError(f"strategy offload: vLLM runs {running}, not {wanted}: the layers meant to be "
                                "streamed from host memory stay on the GPU (Model Runner V2 ignores vLLM's "
-                               "offload flags; VLLM_USE_V2_MODEL_RUNNER must be 0)")
+                               "offload flags, VLLM_USE_V2_MODEL_RUNNER must be 0; or the size to offload is 0)")
         return out
 
     cls.load_model = load_model

@@ -34,8 +34,8 @@ class Hardware:
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
     pcie_gbs: float = 48.5               # weights streamed per step, effective (offload uva, one token)
     offload_token_s: float = 0.0004      # and each token of a streamed step re-reads weights over UVA
-    prefetch_pcie_gbs: float = 55.0      # offload prefetch: copies per step (issue 16's H200 run: 127 ms for 6.98 GB)
-    prefetch_token_s: float = 0.00008    # and each token of the step (that run: 131 ms at 1, 136 ms at 64)
+    prefetch_pcie_gbs: float = 55.0      # offload prefetch: copies per step (gpu_bench-prefetch.json: 135 ms at 1)
+    prefetch_token_s: float = 0.00008    # and each token of the step (that run: 140 ms at 64)
     gpu_step_s: float = 0.004            # a pipeline step's fixed cost: GPU stage, hops, scheduling
     split_pcie_gbs: float = 60.0         # balanced: the GEMM helper's pinned DMA copies (vLLM's UVA offload: pcie_gbs)
     split_dram_share: float = 0.45       # balanced: share of its decode rate a CPU stage keeps while the GPU streams
