@@ -119,3 +119,25 @@ def test_launcher_stops_a_stalled_stage(tmp_path):
     t0 = time.monotonic()
     code = run_supervised([sys.executable, "-c", child], None, None, stall=StallWatch(path, 2, 100))
     assert code == EXIT_STALLED and 2 < time.monotonic() - t0 < 15
+
+
+def test_stall_gauges_read_the_record(tmp_path, monkeypatch):
+    from vllm_hybrid import stage_metrics
+    w = ProgressWriter(str(tmp_path / "p"))
+    monkeypatch.setattr(progress, "_WRITER", w)
+    labels = stage_metrics.stage_labels({})
+    m = stage_metrics.StageMetrics(labels)
+    stage_metrics.watch_progress(m, {"HYBRID_STALL_TIMEOUT": "12,300"})
+
+    def value(name):
+        return m.registry.get_sample_value(name, labels)
+
+    assert value("hybrid_stage_seconds_since_progress") == 0 and value("hybrid_stage_pending_requests") == 0
+    w.step_started(step(new=["a", "b"], tokens=2))  # first step of its size: the grace applies
+    assert value("hybrid_stage_stall_timeout_seconds") == 300
+    w.step_finished()
+    w.step_started(step(cached=["a", "b"], tokens=2))
+    w.step_finished()
+    w.last_progress -= 5
+    assert value("hybrid_stage_pending_requests") == 2 and value("hybrid_stage_stall_timeout_seconds") == 12
+    assert 5 <= value("hybrid_stage_seconds_since_progress") < 6
