@@ -190,9 +190,12 @@ def stall_round(pipe, stage: int, fault: str) -> dict:
     assert {"health", "exited"} <= set(seen), f"{fault} on stage {stage}: only {seen} after {deadline - t0:.0f}s"
     codes = [pipe.procs[i].returncode for i in others]
     assert all(c not in (0, None) for c in codes), codes
-    if frozen:  # nothing inside a frozen pod can act: it is killed from outside
+    if frozen:  # nothing inside a frozen pod can act: it is killed from outside. As in test_stage_failure_rounds
+        # the launcher dies hard and its vLLM follows; the resource trackers, thawed, unlink what those held
         os.killpg(pipe.procs[stage].pid, signal.SIGKILL)
         pipe.procs[stage].wait(30)
+        time.sleep(1)
+        signal_all(frozen, signal.SIGCONT)
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads), f"a request hung after {fault} on stage {stage}"
