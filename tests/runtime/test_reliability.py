@@ -3,6 +3,8 @@
 Kill the non-head stage under streaming load -> every in-flight request ends within 30 s, stage 0's
 /health fails and its launcher exits non-zero; restart -> it serves again. Kill stage 0 -> the other
 stage exits by itself. Five rounds, no leaked processes or /dev/shm segments.
+Stalls (plan stall_timeout 12 s), on every stage: a hung worker (its launcher alive) and a frozen stage
+end the requests and take the pipeline down by themselves; a stage slowed to a tenth of a CPU does not.
 """
 import contextlib
 import json
