@@ -92,6 +92,7 @@ def build_stage(args, env: dict[str, str]):
 
 def cmd_serve(args) -> int:
     from .plugin import check_vllm_version
+    from .progress import StallWatch
     from .supervise import Heartbeat, ShmJanitor, run_supervised
     plan, ident, argv, env, helper, summary = build_stage(args, dict(os.environ))
     import importlib.metadata as md
@@ -133,8 +134,14 @@ def cmd_serve(args) -> int:
     beat = Heartbeat(rank, n, ident.master_addr, plan.supervision_port) if n > 1 else None
     shm_dir = os.environ.get("HYBRID_SHM_DIR", "/dev/shm")
     state = os.path.join(shm_dir, f".hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{ident.replica}-s{ident.stage}.json")
+    stall = None
+    if os.path.isdir(os.path.dirname(env["HYBRID_PROGRESS_FILE"])):
+        timeout, grace = map(float, env["HYBRID_STALL_TIMEOUT"].split(","))
+        stall = StallWatch(env["HYBRID_PROGRESS_FILE"], timeout, grace)
+    else:
+        env.pop("HYBRID_PROGRESS_FILE")
     return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None,
-                          sidecar=helper)
+                          sidecar=helper, stall=stall)
 
 
 def idle() -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from .cpubind import CpuBinding
 from .plan import Plan, PlanError
 from .planner import GiB, Split
-from .strategy import Layout, hardware_of, layout, prefetch_groups, split_rates
+from .strategy import Layout, hardware_of, layout, prefetch_groups, slowest_step_s, split_rates
 
 GPU_VLLM_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # the V2 runner's pipeline path does not go through our hop patches
@@ -52,6 +52,21 @@ def gemm_socket(env: dict[str, str], replica: int, gpu_stage: int) -> str:
     """Where GPU stage `gpu_stage`'s GEMM helper listens: the replica's shared /dev/shm."""
     name = f"hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{replica}-s{gpu_stage}.gemm"
     return os.path.join(env.get("HYBRID_SHM_DIR", "/dev/shm"), name)
+
+
+def progress_file(env: dict[str, str], replica: int, stage: int) -> str:
+    """Where the stage's first worker publishes its progress for the launcher's stall watch."""
+    name = f".hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{replica}-s{stage}.progress"
+    return os.path.join(env.get("HYBRID_SHM_DIR", "/dev/shm"), name)
+
+
+def stall_timeouts(plan: Plan, split: Split, lay: Layout | None = None) -> tuple[float, float]:
+    """(stall timeout, compile grace) in seconds: the plan's stall_timeout, else sized from the slowest
+    step the cost model expects; 0 turns stall detection off."""
+    from .progress import compile_grace, default_timeouts
+    if plan.stall_timeout is not None:
+        return float(plan.stall_timeout), compile_grace(float(plan.stall_timeout))
+    return default_timeouts(slowest_step_s(plan, split, _layout(plan, split, lay)))
 
 
 def helper_command(plan: Plan, split: Split, ident: Identity, env: dict[str, str], python: str = sys.executable,
@@ -128,6 +143,9 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
         "HYBRID_STAGE_NAME": stage.name,
         "HYBRID_LAYER_RANGE": lay.ranges()[ident.stage],
         "VLLM_NO_USAGE_STATS": "1",
+        # the first worker publishes its progress there; the launcher restarts the stage on a stall
+        "HYBRID_PROGRESS_FILE": progress_file(base, ident.replica, ident.stage),
+        "HYBRID_STALL_TIMEOUT": "{:g},{:g}".format(*stall_timeouts(plan, split, lay)),
     })
     # one batch in flight: micro-batches would make a CPU stage read its weights once per micro-batch
     env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
@@ -175,7 +193,8 @@ def resolved_summary(plan: Plan, split: Split, ident: Identity, binding: CpuBind
     out = {"stage": ident.stage, "name": stage.name, "device": stage.device, "replica": ident.replica,
            "stages": len(lay.stages), "layers": lay.ranges()[ident.stage], "strategy": lay.strategy,
            "partition": lay.partition, "tp": stage.tensor_parallel, "master": f"{ident.master_addr}:{plan.master_port}",
-           "role": "api" if rank == 0 else "headless", "model": plan.model}
+           "role": "api" if rank == 0 else "headless", "model": plan.model,
+           "stall_timeout_s": stall_timeouts(plan, split, lay)[0]}
     if lay.offload_bytes[rank]:
         out["offload_gib"] = round(lay.offload_bytes[rank] / GiB, 2)
     if (helper := lay.helper_of(ident.stage)) is not None:

@@ -10,7 +10,7 @@ import functools
 import os
 import time
 
-from . import stage_metrics
+from . import progress, stage_metrics
 
 APPLIED: list[str] = []
 
@@ -256,8 +256,9 @@ def patch_cpu_kv_memory_check() -> None:
 
 def patch_worker_step_metrics(gpu_worker) -> None:
     # vllm.v1.worker.gpu_worker.Worker.initialize_from_config / execute_model (CPUWorker inherits
-    # both): time every step and count its tokens for the per-stage metrics (stage_metrics), and
-    # start the stage's metrics endpoint once the KV cache (its block count) exists.
+    # both): time every step and count its tokens for the per-stage metrics (stage_metrics), publish
+    # the stage's progress for the launcher's stall watch (progress), and start both once the KV
+    # cache (its block count) exists, i.e. after the weights loaded.
     cls = gpu_worker.Worker
     init_original, step_original = cls.initialize_from_config, cls.execute_model
 
@@ -265,17 +266,26 @@ def patch_worker_step_metrics(gpu_worker) -> None:
     def initialize_from_config(self, kv_cache_config):
         out = init_original(self, kv_cache_config)
         from vllm.distributed import get_tp_group
-        stage_metrics.start(kv_cache_config.num_blocks, self.device.type, get_tp_group().rank_in_group)
+        rank = get_tp_group().rank_in_group
+        progress.start(rank)
+        stage_metrics.start(kv_cache_config.num_blocks, self.device.type, rank)
         return out
 
     @functools.wraps(step_original)
     def execute_model(self, scheduler_output, *args, **kwargs):
-        m = stage_metrics.current()
+        m, p = stage_metrics.current(), progress.current()
+        if p is not None:
+            p.step_started(scheduler_output)
         if m is None or not scheduler_output.total_num_scheduled_tokens:
-            return step_original(self, scheduler_output, *args, **kwargs)
-        t0 = m.begin_step()
-        out = step_original(self, scheduler_output, *args, **kwargs)
-        m.end_step(t0, scheduler_output)
+            out = step_original(self, scheduler_output, *args, **kwargs)
+            if m is not None:
+                m.track_blocks(scheduler_output)  # an empty step brings the finished requests' ids
+        else:
+            t0 = m.begin_step()
+            out = step_original(self, scheduler_output, *args, **kwargs)
+            m.end_step(t0, scheduler_output)
+        if p is not None:
+            p.step_finished()
         return out
 
     cls.initialize_from_config, cls.execute_model = initialize_from_config, execute_model

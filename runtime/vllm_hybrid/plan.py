@@ -72,6 +72,9 @@ class Plan:
     expected_prompt_tokens: int | None = None
     expected_output_tokens: int | None = None
     hardware: tuple[tuple[str, float], ...] = ()  # strategy.Hardware overrides: measured figures of the box
+    # seconds without a finished step, requests pending, before a stage restarts (None: sized from the
+    # expected step time, progress.default_timeouts; 0: never)
+    stall_timeout: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -85,7 +88,7 @@ class Plan:
 
 _TOP_INT = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
             "api_port", "master_port", "supervisor_port", "metrics_port",
-            "expected_concurrency", "expected_prompt_tokens", "expected_output_tokens")
+            "expected_concurrency", "expected_prompt_tokens", "expected_output_tokens", "stall_timeout")
 _TOP_STR = ("model", "served_model_name", "revision", "dtype", "load_format", "strategy", "offload_backend")
 _STAGE_KEYS = {"name", "device", "tensor_parallel", "layers", "gpu_memory_utilization", "cpus", "memory"}
 
@@ -166,7 +169,8 @@ def plan_from_dict(raw: Any) -> Plan:
             kwargs[key] = raw[key]
     for key in _TOP_INT:
         if raw.get(key) is not None:
-            kwargs[key] = _int(raw[key], key, maximum=65535 if key.endswith("port") else None)
+            kwargs[key] = _int(raw[key], key, minimum=0 if key == "stall_timeout" else 1,
+                               maximum=65535 if key.endswith("port") else None)
     if kwargs.get("dtype", "auto") not in DTYPES:
         raise PlanError(f"dtype: expected one of {DTYPES}, got {kwargs['dtype']!r}")
     if kwargs.get("strategy", "pipeline") not in STRATEGIES:

@@ -43,6 +43,13 @@ class StageMetrics:
                              lab, registry=r).labels(**labels)
         self.info = Info("hybrid_stage", "Device, layers, CPU binding and vLLM version of this stage",
                          lab, registry=r).labels(**labels)
+        self.pending = Gauge("hybrid_stage_pending_requests", "Requests scheduled on this stage and not finished",
+                             lab, registry=r).labels(**labels)
+        self.since_progress = Gauge("hybrid_stage_seconds_since_progress", "Seconds since this stage last "
+                                    "finished a step while requests are pending (0 when none are)",
+                                    lab, registry=r).labels(**labels)
+        self.stall_timeout = Gauge("hybrid_stage_stall_timeout_seconds", "No progress for this long with requests "
+                                   "pending and the stage restarts (0: never)", lab, registry=r).labels(**labels)
         self._recv_wait = 0.0
         self._send = 0.0
         self._blocks: dict[str, int] = {}
@@ -65,9 +72,9 @@ class StageMetrics:
         self.step.observe(elapsed)
         self.forward.observe(max(0.0, elapsed - self._recv_wait - self._send))
         self.tokens.inc(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._track_blocks(scheduler_output)
+        self.track_blocks(scheduler_output)
 
-    def _track_blocks(self, so) -> None:
+    def track_blocks(self, so) -> None:
         """Blocks held by running requests, from the scheduler output every stage receives."""
         for r in getattr(so, "scheduled_new_reqs", ()):
             self._blocks[r.req_id] = len(r.block_ids[0]) if r.block_ids else 0
@@ -100,11 +107,25 @@ def start(num_blocks: int, device: str, tp_rank: int, env=os.environ) -> StageMe
     m.info.info({"device": device, "layers": env.get("HYBRID_LAYER_RANGE", ""),
                  "cpus": env.get("VLLM_CPU_OMP_THREADS_BIND", ""), "numa_node": env.get("HYBRID_NUMA_NODE_BOUND", ""),
                  "vllm_version": vllm_version, "tp_rank": str(tp_rank)})
+    watch_progress(m, env)
     port = env.get("HYBRID_METRICS_PORT")
     if tp_rank == 0 and port:
         start_http_server(int(port), registry=m.registry)
     _METRICS = m
     return m
+
+
+def watch_progress(m: StageMetrics, env=os.environ) -> None:
+    """The stall gauges read the progress record at scrape time: a stage waiting on a hung one shows
+    its wait growing (a hung stage itself no longer answers: StageDown)."""
+    from . import progress
+    p = progress.current()
+    if p is None:
+        return
+    timeout, grace = map(float, env.get("HYBRID_STALL_TIMEOUT", "0,0").split(","))
+    m.pending.set_function(lambda: len(p.running))
+    m.since_progress.set_function(p.seconds_since_progress)
+    m.stall_timeout.set_function(lambda: grace if p.new_shape else timeout)  # the limit that applies now
 
 
 def serve_unused(port: int, labels: dict[str, str], strategy: str) -> StageMetrics:

@@ -204,6 +204,24 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
     return c * work.output_tokens / (prefill + work.output_tokens * step)
 
 
+def slowest_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware | None = None) -> float:
+    """The longest step expected: a full prefill chunk (max_num_batched_tokens) through every stage, as
+    each stage waits for the others' share of it (one batch in flight). The stall timeout is sized
+    from it. Balanced CPU stages count as CPU-only: an upper bound."""
+    hw = hw or hardware_of(plan)
+    shape, tokens, total = split.shape, plan.max_num_batched_tokens, hw.gpu_step_s
+    for k, (i, n) in enumerate(zip(lay.stages, lay.layers)):
+        stage = plan.stages[i]
+        if stage.is_cpu:
+            weights = n * shape.layer_bytes + (shape.embedding_bytes if k == len(lay.stages) - 1 else 0)
+            flops = tokens * 2 * weights / shape.dtype_bytes
+            total += (weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)
+                      + flops / ((stage.cpus or 1) * hw.cpu_prefill_tflops_per_core * 1e12))
+        elif lay.offload_bytes[k]:
+            total += lay.offload_bytes[k] / (hw.pcie_gbs * 1e9) + tokens * hw.offload_token_s
+    return total
+
+
 def hardware_of(plan: Plan) -> Hardware:
     return Hardware(**dict(plan.hardware))
 

@@ -18,12 +18,15 @@ import subprocess
 import threading
 import time
 
+from .progress import StallWatch
+
 log = logging.getLogger("vllm_hybrid.supervise")
 HEARTBEAT_S = 1.0
 PEER_TIMEOUT_S = 10.0        # silence after which a connected peer counts as lost
 TERM_GRACE_S = 15.0          # SIGTERM -> SIGKILL for the vLLM process group
 EXIT_PEER_LOST = 75
 EXIT_SIDECAR_LOST = 76
+EXIT_STALLED = 77
 
 
 class Heartbeat:
@@ -274,14 +277,18 @@ def _die_with_parent() -> None:
 
 
 def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None,
-                   janitor: ShmJanitor | None = None, sidecar: list[str] | None = None) -> int:
+                   janitor: ShmJanitor | None = None, sidecar: list[str] | None = None,
+                   stall: StallWatch | None = None) -> int:
     """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST.
     sidecar: a process the stage needs beside vLLM (the GEMM helper), started first; if it dies, the
-    stage stops with EXIT_SIDECAR_LOST (its CPU stages cannot compute without it)."""
+    stage stops with EXIT_SIDECAR_LOST (its CPU stages cannot compute without it).
+    stall: the worker's progress record; no progress with requests pending -> EXIT_STALLED."""
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     if janitor and (removed := janitor.cleanup_previous()):
         log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
+    if stall:
+        stall.create()
     side = sidecar and subprocess.Popen(sidecar, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     if heartbeat:
@@ -305,6 +312,10 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
                 log.error("peer lost (%s): stopping this stage so the pipeline restarts", heartbeat.lost)
                 terminate_group(proc, grace=5)
                 return EXIT_PEER_LOST
+            if stall and (why := stall.check()):
+                log.error("pipeline stalled: %s; stopping this stage so the pipeline restarts", why)
+                terminate_group(proc, grace=5)  # a stopped (hung) worker ignores SIGTERM: SIGKILL follows
+                return EXIT_STALLED
             if side and side.poll() is not None:
                 log.error("%s exited with code %s: stopping this stage", sidecar[2], side.returncode)
                 terminate_group(proc, grace=5)
@@ -315,6 +326,8 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
             terminate_group(side, grace=5)
         if janitor:
             janitor.finish()
+        if stall:
+            stall.remove()
         if heartbeat:
             heartbeat.stop()
         for s, h in previous.items():

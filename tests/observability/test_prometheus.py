@@ -5,16 +5,19 @@ reconciles against kmock's Kubernetes emulator) are scraped every second by `pro
 loopback, with the labels the chart's PodMonitor gives pipeline targets. While traffic runs, every
 panel query of every dashboard must return data through /api/v1/query, every dashboard variable
 must list the pipeline, and every alert of files/alerts.yaml must load (promtool, Prometheus'
-rule manager) and evaluate; stopping a stage must make HybridInferenceStageDown pending.
+rule manager) and evaluate; a hung worker must make HybridInferencePipelineStalled fire and stopping a
+stage must make HybridInferenceStageDown pending.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -42,6 +45,7 @@ VARIABLES = {"namespace": NAMESPACE, "pipeline": PIPELINE, "model_name": MODEL, 
              "__rate_interval": "30s"}
 STAGES = [{"name": "head", "device": "cpu", "layers": 1, "cpus": 1, "memory": "4Gi"},
           {"name": "tail", "device": "cpu", "layers": 3, "cpus": 1, "memory": "4Gi"}]
+STALL_TIMEOUT = 30  # PipelineStalled's expression holds from half of it; the stages restart at all of it
 
 
 def need(tool: str) -> str:
@@ -136,7 +140,7 @@ def operator_port():
 def pipeline(tiny_llama, tmp_path_factory):
     plan = {"model": str(tiny_llama), "served_model_name": MODEL, "dtype": "float32", "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "extra_args": ["--enforce-eager"],
-            **local_ports(), "stages": STAGES}
+            "stall_timeout": STALL_TIMEOUT, **local_ports(), "stages": STAGES}
     cpus = ["0", "1" if (os.cpu_count() or 1) > 1 else "0"]
     envs = [{"HYBRID_CPUS": c, "HYBRID_INSTANCE": PIPELINE} for c in cpus]  # the operator sets HYBRID_INSTANCE
     pipe = LocalPipeline(plan, tmp_path_factory.mktemp("pipe"), envs).start()
@@ -174,7 +178,20 @@ class Prom:
             time.sleep(1)
 
 
-def scrape_config(pipe: LocalPipeline, operator_port: int) -> dict:
+def rules_for_test(work: Path) -> Path:
+    """files/alerts.yaml with PipelineStalled's `for` cut to 1s: it must fire between half the stall timeout
+    and the restart at the full one, whatever the test machine's timing."""
+    doc = yaml.safe_load(ALERTS.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if rule["alert"] == "HybridInferencePipelineStalled":
+                rule["for"] = "1s"
+    path = work / "alerts.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def scrape_config(pipe: LocalPipeline, operator_port: int, rules: Path = ALERTS) -> dict:
     """The targets and labels the chart's PodMonitor / ServiceMonitor produce in a cluster."""
     def stage_labels(i):
         return {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": str(i), "stage_name": STAGES[i]["name"],
@@ -184,7 +201,7 @@ def scrape_config(pipe: LocalPipeline, operator_port: int) -> dict:
                       "labels": stage_labels(i)} for i in range(len(STAGES))]
     return {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(ALERTS)],
+        "rule_files": [str(rules)],
         "scrape_configs": [
             {"job_name": "pipeline-stages", "honor_labels": True, "static_configs": stage_targets},
             {"job_name": "pipeline-vllm", "static_configs": [{"targets": [api], "labels": stage_labels(0)}]},
@@ -198,7 +215,7 @@ def scrape_config(pipe: LocalPipeline, operator_port: int) -> dict:
 def prom(pipeline, operator_port, tmp_path_factory):
     binary = need("prometheus")
     work = tmp_path_factory.mktemp("prometheus")
-    (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(pipeline, operator_port)))
+    (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(pipeline, operator_port, rules_for_test(work))))
     port = free_port()
     log = open(work / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
@@ -401,6 +418,57 @@ def test_every_alert_expression_evaluates(prom, traffic):
     assert {n: loaded[n]["state"] for n in quiet} == {n: "inactive" for n in quiet}
     # the reconcile error recorded while Prometheus watched makes the operator alert pending (for: 15m)
     assert loaded["HybridInferenceOperatorReconcileErrors"]["state"] == "pending"
+
+
+def worker_of(pipe: LocalPipeline, stage: int) -> int:
+    """The stage's vLLM worker (titled VLLM::Worker_PP<rank>)."""
+    from vllm_hybrid.supervise import process_tree
+    for pid in process_tree(pipe.procs[stage].pid):
+        with contextlib.suppress(OSError):
+            if open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"VLLM::Worker"):
+                return pid
+    raise AssertionError(f"no vLLM worker under stage {stage}")
+
+
+def alert_state(prom: Prom, name: str) -> str | None:
+    return next((a["state"] for a in prom.get("/api/v1/alerts")["data"]["alerts"]
+                 if a["labels"]["alertname"] == name), None)
+
+
+def test_pipeline_stalled_alert_fires_when_a_worker_hangs(prom, traffic, pipeline):
+    """Stage 1's worker stops (a hung kernel) under load: stage 0 waits with requests pending, its
+    hybrid_stage_seconds_since_progress grows and PipelineStalled fires before the stall timeout. The
+    worker then resumes in time: the requests finish and no stage restarts."""
+    assert len(traffic.stop()) >= 2
+    results: list = []
+
+    def ask(i):
+        body = {"model": MODEL, "prompt": f"stall {i}", "max_tokens": 300, "ignore_eos": True}
+        req = urllib.request.Request(pipeline.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            results.append(json.loads(r.read())["usage"]["completion_tokens"])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    worker = worker_of(pipeline, 1)
+    os.kill(worker, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        while alert_state(prom, "HybridInferencePipelineStalled") != "firing":
+            assert time.monotonic() - t0 < STALL_TIMEOUT - 3, "PipelineStalled did not fire before the stall timeout"
+            time.sleep(0.5)
+        fired = time.monotonic() - t0
+        waited = values(prom.query('hybrid_stage_seconds_since_progress{pipeline="demo"}'))
+        assert waited["0"] > STALL_TIMEOUT / 2, waited  # the waiting stage shows the stall
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    for t in threads:
+        t.join(120)
+    assert results == [300, 300] and all(p.poll() is None for p in pipeline.procs)
+    print(f"PipelineStalled fired {fired:.1f}s after the worker hung (stall timeout {STALL_TIMEOUT}s)")
 
 
 def test_stage_down_alert_goes_pending_when_a_stage_dies(prom, traffic, pipeline):
