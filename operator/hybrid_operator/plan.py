@@ -72,6 +72,8 @@ def render_plan(spec: dict[str, Any]) -> dict[str, Any]:
     for key, plan_key in WORKLOAD_KEYS.items():
         if key in spec.get("workload", {}):
             plan[plan_key] = spec["workload"][key]
+    if "stallTimeoutSeconds" in serving:
+        plan["stall_timeout"] = serving["stallTimeoutSeconds"]
     return plan
 
 

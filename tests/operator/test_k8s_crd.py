@@ -96,6 +96,7 @@ INVALID = [
     ("unknown-shm-mode", body_with(sharedMemory={"mode": "tmpfs"}), "spec.sharedMemory.mode"),
     ("unknown-dtype", body_with(set_in(["model", "dtype"], "int8")), "spec.model.dtype"),
     ("unknown-strategy", body_with(strategy="fastest"), "spec.strategy"),
+    ("negative-stall-timeout", body_with(serving={"stallTimeoutSeconds": -1}), "spec.serving.stallTimeoutSeconds"),
     ("workload-zero-concurrency", body_with(workload={"concurrency": 0}), "spec.workload.concurrency"),
     ("workload-concurrency-too-high", body_with(workload={"concurrency": 4097}), "spec.workload.concurrency"),
     ("workload-string-tokens", body_with(workload={"outputTokens": "256"}), "spec.workload.outputTokens"),
@@ -172,7 +173,7 @@ VALID = {
                      resources={"limits": {"hugepages-2Mi": "2Gi"}, "requests": {"hugepages-2Mi": "2Gi"}})],
         sharedMemory={"mode": "hostPath"},
         serving={"port": 8080, "maxNumSeqs": 32, "maxNumBatchedTokens": 8192, "blockSize": 64,
-                 "apiKeySecretRef": {"name": "api"}, "extraArgs": ["--enforce-eager"]},
+                 "apiKeySecretRef": {"name": "api"}, "extraArgs": ["--enforce-eager"], "stallTimeoutSeconds": 600},
         images={"gpu": "r/gpu:1", "cpu": "r/cpu:1", "pullPolicy": "Always", "pullSecrets": ["reg"]},
         monitoring={"port": 9200, "scrapeAnnotations": False}),
 }

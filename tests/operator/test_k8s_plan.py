@@ -20,14 +20,16 @@ def documented_keys():
 
 
 WORKLOAD = {"concurrency": 8, "promptTokens": 1024, "outputTokens": 128}
-PLAN_FILE_ONLY = {"hardware"}  # written by hand in a plan file; the CRD does not carry it
+PLAN_FILE_ONLY = {"hardware", "offload_backend"}  # written by hand in a plan file; the CRD does not carry them
+ONLY_WHEN_GIVEN = set(WORKLOAD_KEYS.values()) | {"stall_timeout"}  # else the runtime's defaults
 
 
 def test_plan_uses_only_documented_keys():
     top, stage_keys = documented_keys()
-    plan = render_plan(make_body(stages=stages(3, layers=True), workload=WORKLOAD)["spec"])
+    plan = render_plan(make_body(stages=stages(3, layers=True), workload=WORKLOAD,
+                                 serving={"stallTimeoutSeconds": 120})["spec"])
     assert set(plan) == top - PLAN_FILE_ONLY
-    assert set(render_plan(make_body()["spec"])) == top - PLAN_FILE_ONLY - set(WORKLOAD_KEYS.values())
+    assert set(render_plan(make_body()["spec"])) == top - PLAN_FILE_ONLY - ONLY_WHEN_GIVEN
     for stage in plan["stages"]:
         assert set(stage) <= stage_keys
 
@@ -67,6 +69,11 @@ def test_workload_goes_to_expected_keys_only_when_given():
     partial = render_plan(make_body(workload={"outputTokens": 64})["spec"])
     assert partial["expected_output_tokens"] == 64
     assert "expected_concurrency" not in partial and "expected_prompt_tokens" not in partial
+
+
+def test_stall_timeout_goes_to_the_plan_only_when_given():
+    assert render_plan(make_body(serving={"stallTimeoutSeconds": 0})["spec"])["stall_timeout"] == 0  # off
+    assert "stall_timeout" not in render_plan(make_body()["spec"])
 
 
 def test_offload_plan_still_lists_every_stage():
