@@ -20,6 +20,13 @@ def restart_reason(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def failed_at(pod: dict[str, Any]) -> str | None:
+    """When the pod's last container failure ended (RFC 3339, second resolution), if the kubelet said."""
+    ends = [t.get("finishedAt") for cs in pod.get("status", {}).get("containerStatuses", [])
+            for t in (cs.get("lastState", {}).get("terminated", {}), cs.get("state", {}).get("terminated", {}))]
+    return max((e for e in ends if e), default=None)
+
+
 def victims(event_type: str | None, trigger: dict[str, Any], pods: list[dict[str, Any]], replicas: int,
             stage_count: int) -> tuple[list[str], str | None]:
     """Names of pods to delete so replica i re-forms, and the reason (for the Event)."""
@@ -29,12 +36,13 @@ def victims(event_type: str | None, trigger: dict[str, Any], pods: list[dict[str
     if index is None or index >= replicas:
         return [], None  # scale-down removes that replica anyway
     if event_type == "DELETED":
-        reason = f"pod {trigger['metadata']['name']} was deleted"
+        if names.GROUP_RESTART in (trigger["metadata"].get("annotations") or {}):
+            return [], None  # a pod an earlier group restart removed: its replacements are the new group
+        reason, cutoff = f"pod {trigger['metadata']['name']} was deleted", None
     else:
-        reason = restart_reason(trigger)
+        reason, cutoff = restart_reason(trigger), failed_at(trigger)
     if reason is None:
         return [], None
-    born = trigger["metadata"].get("creationTimestamp") or ""
     instance = trigger["metadata"].get("labels", {}).get(names.INSTANCE_LABEL)
     out = []
     for pod in pods:
@@ -45,8 +53,7 @@ def victims(event_type: str | None, trigger: dict[str, Any], pods: list[dict[str
             continue
         if event_type == "DELETED" and meta["name"] == trigger["metadata"]["name"]:
             continue  # the replacement of the deleted pod itself
-        # Only pods of the same generation or older: replacements made after the trigger are left alone,
-        # so one failure causes exactly one group restart.
-        if (meta.get("creationTimestamp") or "") <= born:
+        # Pods created after the failure are already its replacements (a late or repeated event).
+        if cutoff is None or (meta.get("creationTimestamp") or "") <= cutoff:
             out.append(meta["name"])
     return sorted(out), reason

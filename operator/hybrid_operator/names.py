@@ -8,6 +8,8 @@ INSTANCE_LABEL = "hybrid.inference.dev/instance"
 STAGE_LABEL = "hybrid.inference.dev/stage"
 STAGE_INDEX_LABEL = "hybrid.inference.dev/stage-index"
 LAST_APPLIED = "hybrid.inference.dev/last-applied"
+# On pods a group restart deletes: their own deletion is the restart, not a new failure.
+GROUP_RESTART = "hybrid.inference.dev/group-restart"
 PLAN_HASH = "hybrid.inference.dev/plan-hash"
 
 

@@ -9,7 +9,7 @@ from . import group_restart, metrics, names
 from .apply import apply
 from .defaults import with_defaults
 from .events import build_event
-from .kube import KubeApi, path_for
+from .kube import ApiError, KubeApi, path_for
 from .render import render_children
 from .settings import API_VERSION, Settings
 from .status import compute_status
@@ -111,7 +111,16 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         return []  # a stage the strategy no longer runs: its pods go away with its StatefulSet
     pods = await api.list(path_for("v1", "Pod", ns), names.instance_selector(instance))
     doomed, reason = group_restart.victims(event_type, pod, pods, spec["replicas"], len(running))
-    deleted = [name for name in doomed if await api.delete(path_for("v1", "Pod", ns, name))]
+    deleted = []
+    for name in doomed:  # marked first, so their own DELETED events start no second group restart
+        try:
+            await api.patch(path_for("v1", "Pod", ns, name), {"metadata": {"annotations": {names.GROUP_RESTART: reason}}})
+        except ApiError as exc:
+            if exc.status == 404:
+                continue  # gone already
+            raise
+        if await api.delete(path_for("v1", "Pod", ns, name)):
+            deleted.append(name)
     if deleted:
         metrics.GROUP_RESTARTS.inc()
         index = (meta.get("labels") or {}).get(names.POD_INDEX_LABEL, "?")

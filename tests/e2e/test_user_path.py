@@ -245,8 +245,11 @@ def test_group_restart(kube, operator):
     kube.wait(both_replaced, 60, "both pods of replica 0 recreated")
     wait_phase(kube, "llm", "llama", "Ready")
     timed("group restart -> Ready", time.monotonic() - t0)
+    new = {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.get("pods", "-n", "llm")["items"]}
+    time.sleep(2 * STATUS_INTERVAL)  # the victims' own DELETED events start no second restart
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.get("pods", "-n", "llm")["items"]} == new
     events = kube.get("events", "-n", "llm", "--field-selector", "reason=GroupRestart")["items"]
-    assert any("llama-cpu-0" in e["message"] for e in events)
+    assert [e["count"] for e in events] == [1] and "llama-cpu-0" in events[0]["message"]
 
 
 def test_deleted_and_drifted_children_are_repaired_by_the_resync(kube, operator):

@@ -15,7 +15,7 @@ EXPECTED_RULES = {
     ("", "configmaps"): {"get", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
     ("apps", "statefulsets"): {"get", "list", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch", "delete"},
+    ("", "pods"): {"get", "list", "watch", "patch", "delete"},
     ("", "events"): {"create", "list"},
 }
 NETWORK_POLICY_RULE = {("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"}}

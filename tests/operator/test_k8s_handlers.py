@@ -320,13 +320,29 @@ async def test_group_restart_after_deletion_spares_replacements(kmock, api):
     body = make_body(replicas=1)
     put_instance(kmock, body)
     gone = pod("gpu", 0, 0, created="2026-01-01T00:00:00Z")
-    peer = pod("cpu", 0, 1, created="2026-01-01T00:00:00Z")
+    peer = pod("cpu", 0, 1, created="2026-01-01T00:00:01Z")  # a second younger: the same replica all the same
     replacement = pod("gpu", 0, 0, created="2026-01-01T00:05:00Z")
     kmock.objects["v1/pods", "ml", "llama-cpu-0"] = peer
     kmock.objects["v1/pods", "ml", "llama-gpu-0"] = replacement
+    patches = []
+    kmock["patch /api/v1/namespaces/ml/pods/llama-cpu-0"] << (lambda req: patches.append(req.data) or {})
     assert await handle_pod_event(api, "DELETED", gone) == ["llama-cpu-0"]
-    # The next DELETED event (of the peer we just removed) must not touch the new gpu pod.
+    # marked before deletion: what the watch then delivers as the peer's DELETED object
+    assert patches == [{"metadata": {"annotations": {names.GROUP_RESTART: "pod llama-gpu-0 was deleted"}}}]
+    peer["metadata"]["annotations"] = {names.GROUP_RESTART: "pod llama-gpu-0 was deleted"}
+    # ...and that event must not touch the new gpu pod.
     assert await handle_pod_event(api, "DELETED", peer) == []
+    assert "llama-gpu-0" in live(kmock, "v1/pods")
+
+
+async def test_a_late_restart_event_spares_pods_created_after_the_failure(kmock, api):
+    put_instance(kmock, make_body(replicas=1))
+    crashed = pod("cpu", 0, 1, created="2026-01-01T00:00:00Z", restarts=1)
+    crashed["status"]["containerStatuses"][0]["lastState"] = {"terminated": {"finishedAt": "2026-01-01T00:10:00Z"}}
+    sibling_after = pod("gpu", 0, 0, created="2026-01-01T00:10:05Z")  # a replacement already
+    for p in (crashed, sibling_after):
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    assert await handle_pod_event(api, "MODIFIED", crashed) == ["llama-cpu-0"]
     assert "llama-gpu-0" in live(kmock, "v1/pods")
 
 
