@@ -92,8 +92,12 @@ async def resync_instances(memo: kopf.Memo, index: kopf.Index) -> None:
 
     One loop instead of a kopf.timer: timers put a finalizer on every instance, so with the operator
     uninstalled or down, deleting an instance (or its namespace) would hang."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     while True:
-        await asyncio.sleep(memo.config.status_interval_s)
+        # one pass per interval, its start to the next start: a slow pass does not stretch the interval
+        await asyncio.sleep(max(0.0, started + memo.config.status_interval_s - loop.time()))
+        started = loop.time()
         for key in list(index):
             for body in list(index.get(key, [])):
                 if body["metadata"].get("deletionTimestamp"):
