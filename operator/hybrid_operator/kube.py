@@ -107,16 +107,9 @@ class KubeApi:
         return cls(await reload(), reload=reload, **kw)
 
     @classmethod
-    def for_server(cls, server: str, token: str | None = None, **kw: Any) -> KubeApi:
+    def for_server(cls, server: str, **kw: Any) -> KubeApi:
         """A plain server URL (tests against kmock)."""
-        cfg = k8s.Configuration(host=server.rstrip("/"))
-        if token:
-            cfg.api_key["BearerToken"] = f"Bearer {token}"
-        return cls(cfg, **kw)
-
-    @property
-    def server(self) -> str:
-        return self._client.configuration.host
+        return cls(k8s.Configuration(host=server.rstrip("/")), **kw)
 
     async def close(self) -> None:
         await self._client.close()

@@ -12,7 +12,7 @@ from .events import build_event
 from .kube import ApiError, KubeApi, path_for
 from .render import render_children
 from .settings import API_VERSION, Settings
-from .status import compute_status
+from .status import compute_status, short_of_pods
 from .strategy import running_stages
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ async def refresh_status(api: KubeApi, body: dict[str, Any], settings: Settings)
     statefulsets = await api.list(path_for("apps/v1", "StatefulSet", meta["namespace"]), selector)
     pods = await api.list(path_for("v1", "Pod", meta["namespace"]), selector)
     # Only when a StatefulSet is short of pods: the controller's FailedCreate events say why.
-    short = any((s.get("status") or {}).get("replicas", 0) < s["spec"].get("replicas", 0) for s in statefulsets)
+    short = any(map(short_of_pods, statefulsets))
     events = await api.list(path_for("v1", "Event", meta["namespace"]),
                             fields={"involvedObject.kind": "StatefulSet"}) if short else []
     status = compute_status(body, statefulsets, pods, utcnow(), settings, events)

@@ -40,6 +40,11 @@ def _event_time(event: dict[str, Any]) -> str:
     return stamp[:19]
 
 
+def short_of_pods(sts: dict[str, Any]) -> bool:
+    """The StatefulSet controller has created fewer pods than the StatefulSet asks for."""
+    return (sts.get("status") or {}).get("replicas", 0) < (sts.get("spec") or {}).get("replicas", 0)
+
+
 def creation_failures(statefulsets: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """("FailedCreate", controller's message) for each StatefulSet short of pods whose last create failed.
 
@@ -48,7 +53,7 @@ def creation_failures(statefulsets: list[dict[str, Any]], events: list[dict[str,
     out = []
     for sts in statefulsets:
         meta = sts["metadata"]
-        if (sts.get("status") or {}).get("replicas", 0) >= (sts.get("spec") or {}).get("replicas", 0):
+        if not short_of_pods(sts):
             continue
         mine = [e for e in events if e.get("involvedObject", {}).get("name") == meta["name"]
                 and e.get("involvedObject", {}).get("uid") in (None, meta.get("uid"))]
