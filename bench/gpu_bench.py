@@ -13,10 +13,12 @@ step from the stages' hybrid_stage_* metrics; the box's DRAM read bandwidth. CPU
 the GEMM kernel and thread placement bench/cpu_kernels.py found fastest (its JSON in $HYBRID_BENCH_OUT).
 Usage (see bench/run.sh): python bench/gpu_bench.py CONFIG [CONFIG...]
 """
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -44,6 +46,61 @@ def dram_read_gbs(threads: int = 15) -> float:
     for _ in range(5):
         x.sum()
     return round(5 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9, 1)
+
+
+def meminfo() -> dict[str, int]:
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
+    return {k: v * 1024 if k != "HugePages_Free" else v for k, v in fields.items()}
+
+
+def host_used_bytes() -> tuple[int, int, int]:
+    """(used, shmem, hugetlb in use): used counts RSS, page tables, pinned and shared memory and huge
+    pages in use, not the page cache nor reserved huge pages nobody took."""
+    m = meminfo()
+    free_huge = m["HugePages_Free"] * m["Hugepagesize"]
+    return m["MemTotal"] - m["MemAvailable"] - free_huge, m["Shmem"], m["Hugetlb"] - free_huge
+
+
+class Peaks:
+    """Peak host memory (above the baseline at start) and GPU memory while a configuration runs."""
+
+    def __init__(self, every_s: float = 0.5):
+        self.base, self.every_s = host_used_bytes()[0], every_s
+        self.host = self.shmem = self.huge = self.gpu = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        ticks = 0
+        while not self.stop.wait(self.every_s):
+            used, shmem, huge = host_used_bytes()
+            self.host, self.shmem, self.huge = max(self.host, used - self.base), max(self.shmem, shmem), max(self.huge, huge)
+            ticks += 1
+            if ticks % 4 == 0:  # nvidia-smi every 2 s
+                with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                         capture_output=True, text=True, timeout=10).stdout
+                    self.gpu = max(self.gpu, int(out.split()[0]) << 20)
+
+    def result(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        gb = lambda b: round(b / 1e9, 2)  # noqa: E731
+        return {"peak_host_gb": gb(self.host), "peak_shmem_gb": gb(self.shmem), "peak_hugetlb_gb": gb(self.huge),
+                "peak_gpu_gb": gb(self.gpu)}
+
+
+@contextlib.contextmanager
+def huge_pages(gib: float):
+    """Reserve 2 MiB pages for a CPU stage's weight region (as a node does for hugepages-2Mi)."""
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    before = int(knob.read_text())
+    knob.write_text(str(before + int(gib * 512)))
+    try:
+        yield int(knob.read_text()) - before
+    finally:
+        knob.write_text(str(before))
 
 
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
@@ -161,10 +218,20 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
                             for i in range(len(stages))]}
         out.update(drive(pipe.url, "m", [pipe.metrics_url(i) for i in range(len(stages))]))
+        logs = [pipe.log(i) for i in range(len(stages))]
+        # where the weights live (balanced) and each stage's KV cache, for the host memory figures
+        out["log_lines"] = [line.split("] ", 1)[-1] for text in logs for line in text.splitlines()
+                            if "split with the GEMM helper on" in line or "KV cache size" in line
+                            or "Memory profiling" in line or "cpu_kvcache_space" in line.lower()]
         if strategy == "offload":
             wanted = "UVAOffloader" if plan.get("offload_backend") == "uva" else "PrefetchOffloader"
             out["offload_verified"] = f"Offloader set to {wanted}" in pipe.log(0)
         return out
+
+
+def huge_run(gib, run, *args):
+    with huge_pages(gib) as pages:
+        return {"huge_pages_reserved": pages, **run(*args)}
 
 
 CONFIGS = {
@@ -178,7 +245,8 @@ CONFIGS = {
                                                 "--offload-prefetch-step=1"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "c-gpu-first": lambda m: run_pipeline(m, True),
     "c-cpu-first": lambda m: run_pipeline(m, False),
-    "d-balanced": lambda m: run_pipeline(m, False, "balanced"),
+    "d-balanced": lambda m: run_pipeline(m, False, "balanced"),  # weights on 4 KiB shmem pages unless reserved:
+    "d-balanced-huge": lambda m: huge_run(8, run_pipeline, m, False, "balanced", "balanced-huge"),  # 2 MiB pages
     "d-balanced-gpu-first": lambda m: run_pipeline(m, True, "balanced"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
@@ -196,11 +264,12 @@ def main(names):
     results.setdefault("dram_read_gbs", dram_read_gbs())
     for name in names:
         t0 = time.monotonic()
+        peaks = Peaks()
         try:
             results[name] = CONFIGS[name](model)
         except Exception as e:  # noqa: BLE001 - keep what the other configurations measured
             results[name] = {"error": repr(e)}
-        results[name]["wall_s"] = round(time.monotonic() - t0, 1)
+        results[name].update(peaks.result(), wall_s=round(time.monotonic() - t0, 1))
         results_path.write_text(json.dumps(results, indent=1))
         print(name, json.dumps(results[name])[:2000], flush=True)
 

