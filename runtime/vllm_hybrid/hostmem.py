@@ -29,7 +29,8 @@ class Region:
     kind: str       # hugetlb | shmem
 
     def describe(self) -> str:
-        return f"{self.nbytes / 1e9:.2f} GB on {self.page_size >> 10} KiB pages ({self.kind})"
+        size = f"{self.nbytes / 1e9:.2f} GB" if self.nbytes >= 1e9 else f"{self.nbytes / 1e6:.1f} MB"
+        return f"{size} on {self.page_size >> 10} KiB pages ({self.kind})"
 
     def close(self) -> None:
         self.map.close()
