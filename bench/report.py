@@ -9,9 +9,11 @@ from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.strategy import Hardware, resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
-ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first", "c-cpu-first-2batches", "d-balanced")
+ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
+         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
-PICKED = {"pipeline": "c-cpu-first", "offload": "b-offload", "balanced": "d-balanced"}
+PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
+          "balanced": ("d-balanced-huge", "d-balanced")}  # what auto runs, measured as (first found)
 
 
 def auto_pick(concurrency: int, dram_gbs: float) -> str:
@@ -46,15 +48,17 @@ def main(path="bench/results/gpu_bench.json"):
     conc = [w["concurrency"] for w in r[configs[0]]["waves"]]
     at = lambda k, i, f="tok_per_s": r[k]["waves"][i][f]
     pipes = [k for k in configs if k[0] in "cd"]
-    rows = ["| concurrency | " + " | ".join(configs) + " | best pipeline / b | auto picks | auto / best |",
+    # the reference: vLLM's prefetch offloader on plain `vllm serve` where it ran, else ours
+    ref = next((k for k in ("b-prefetch-plain", "b-offload") if k in configs), None)
+    rows = ["| concurrency | " + " | ".join(configs) + f" | best pipeline / {ref} | auto picks | auto / best |",
             "|---" * (len(configs) + 4) + "|"]
     for i, c in enumerate(conc):
         best = max(pipes, key=lambda k: at(k, i)) if pipes else None
-        b = at("b-offload", i) if "b-offload" in configs else None
+        b = at(ref, i) if ref else None
         ratio = f"{at(best, i) / b:.2f}x ({best})" if best and b else "-"
         pick = auto_pick(c, dram)
-        picked = next((k for k in (PICKED[pick], f"{PICKED[pick]}-2batches") if k in configs), PICKED[pick])
-        top = max([at(k, i) for k in pipes] + ([b] if b else []))
+        picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
+        top = max(at(k, i) for k in configs if k[0] in "bcd")
         auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"
         rows.append(f"| {c} | " + " | ".join(f"{at(k, i):.2f}" for k in configs) + f" | {ratio} | {pick} | {auto} |")
     rows.append("| TPOT ms, concurrency 1 / 64 | " + " | ".join(
@@ -62,6 +66,10 @@ def main(path="bench/results/gpu_bench.json"):
     for n in ("1024", "4096"):
         rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | | | |")
     rows.append("| ready (s) | " + " | ".join(str(r[k]["ready_s"]) for k in configs) + " | | | |")
+    for field, label in (("peak_host_gb", "peak host memory, GB"), ("peak_hugetlb_gb", "of it on huge pages, GB"),
+                         ("peak_gpu_gb", "peak GPU memory, GB")):
+        if any(field in r[k] for k in configs):
+            rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | | |")
     effs = [e for k in configs if k.startswith("c-") and (e := cpu_stage_efficiency(r, k, dram))]
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s\n\n" + "".join(f"- {e}\n" for e in effs)
     path.with_suffix(".md").write_text(md)

@@ -38,10 +38,11 @@ class Hardware:
     prefetch_token_s: float = 0.00008    # and each token of the step (that run: 140 ms at 64)
     gpu_step_s: float = 0.004            # a pipeline step's fixed cost: GPU stage, hops, scheduling
     split_pcie_gbs: float = 60.0         # balanced: the GEMM helper's pinned DMA copies (vLLM's UVA offload: pcie_gbs)
-    split_dram_share: float = 0.45       # balanced: share of its decode rate a CPU stage keeps while the GPU streams
+    split_dram_share: float = 0.5        # balanced: share of its decode rate a CPU stage keeps while the GPU streams
     split_call_s: float = 0.0001         # balanced: fixed cost of one split GEMM (socket round trip, sync)
-    split_token_s_per_gb: float = 1.3e-4    # balanced: each token of a decode step, per GB of the stage's weights
-    split_prefill_s_per_gb: float = 3.6e-5  # balanced: each prompt token (copies, attention, norms on the CPU)
+    split_token_s_per_gb: float = 6e-5      # balanced: each token of a decode step, per GB of the stage's weights
+    split_prefill_s_per_gb: float = 2.5e-5  # balanced: each prompt token (copies, attention, norms on the CPU)
+    # (the split_* figures: gpu_bench-onecopy.json, one weight copy on 2 MiB pages)
 
 
 HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
