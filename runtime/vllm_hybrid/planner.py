@@ -17,7 +17,10 @@ GiB = 1 << 30
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Qwen3_5ForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM",
+    "MixtralForCausalLM",
 }
+# Mixture of experts in every layer, the same Llama layout otherwise: config key of the expert count.
+MOE_EXPERTS_KEY = {"MixtralForCausalLM": "num_local_experts"}
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # Memory a stage needs beyond weights and KV: CUDA context/graphs/activations on GPU stages,
 # the Python/torch runtime and compile caches on CPU stages.
@@ -37,6 +40,7 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     dtype: str
+    experts: int = 0  # mixture of experts: gated MLPs per layer, each `intermediate` wide, and a router
 
     @property
     def dtype_bytes(self) -> int:
@@ -46,6 +50,8 @@ class ModelShape:
     def layer_bytes(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
+        if self.experts:
+            mlp = self.experts * (mlp + self.hidden)  # every expert, and its router row
         return (attn + mlp + 2 * self.hidden) * self.dtype_bytes
 
     @property
@@ -88,7 +94,8 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
             intermediate=int(text["intermediate_size"]), heads=heads,
             kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype)
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype,
+            experts=int(text[MOE_EXPERTS_KEY[arch]]) if arch in MOE_EXPERTS_KEY else 0)
     except KeyError as e:
         raise PlanError(f"model: config.json lacks {e.args[0]}") from e
 
@@ -121,7 +128,8 @@ class Split:
 
     def describe(self) -> str:
         shape, rows = self.shape, []
-        rows.append(f"model: {shape.architecture}, {shape.num_layers} layers, {shape.dtype}, "
+        moe = f", {shape.experts} experts" if shape.experts else ""
+        rows.append(f"model: {shape.architecture}{moe}, {shape.num_layers} layers, {shape.dtype}, "
                     f"{shape.layer_bytes / GiB:.3f} GiB/layer, embedding {shape.embedding_bytes / GiB:.3f} GiB, "
                     f"KV {shape.kv_bytes_per_token_per_layer} B/token/layer")
         for sp in self.stages:

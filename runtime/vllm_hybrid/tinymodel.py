@@ -41,27 +41,32 @@ def train_tokenizer(out: Path, vocab_size: int = 512) -> int:
 
 def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                     intermediate: int = 256, dtype: str = "float32", seed: int = 0,
-                    max_positions: int = 2048) -> Path:
-    """Writes config.json, safetensors weights and the tokenizer to `out` (idempotent)."""
+                    max_positions: int = 2048, experts: int = 0) -> Path:
+    """Writes config.json, safetensors weights and the tokenizer to `out` (idempotent). experts > 0:
+    a Mixtral (mixture of experts, 2 routed per token) of the same size, each expert `intermediate` wide."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     out = Path(out)
     marker = out / "hybrid-tiny.json"
     spec = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                dtype=dtype, seed=seed, max_positions=max_positions)
+                dtype=dtype, seed=seed, max_positions=max_positions, experts=experts)
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(out)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=hidden // heads, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         # wider init than 0.02: peaked logits, so greedy decoding has no near-ties
-                         initializer_range=0.1, torch_dtype=dtype)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=hidden // heads, max_position_embeddings=max_positions,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  # wider init than 0.02: peaked logits, so greedy decoding has no near-ties
+                  initializer_range=0.1, torch_dtype=dtype)
+    if experts:
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec))
     return out
@@ -85,6 +90,23 @@ def make_shaped_model(out: str | Path, config: dict) -> Path:
     return out
 
 
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "router_aux_loss_coef": 0.02,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+LLAMA_3_1_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

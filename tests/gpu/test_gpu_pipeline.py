@@ -105,6 +105,18 @@ def test_balanced_split_gemms_identity(tiny, order, pages):
     assert got == ref
 
 
+@pytest.mark.parametrize("order", ["gpu_first", "cpu_first"])
+def test_mixture_of_experts_identity(tmp_path_factory, order):
+    """Mixtral (4 experts, 2 routed per token), float32: a CUDA stage and a CPU stage give the greedy
+    tokens of single-process vLLM on the GPU."""
+    moe = make_tiny_llama(tmp_path_factory.mktemp("moe") / "tiny-mixtral", layers=4, dtype="float32", experts=4)
+    ref = [r["ids"] for r in reference(moe, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
+    got, ready = run_pipeline(moe, stages, "float32", f"f32-moe-{order}")
+    RESULTS[f"float32_mixtral_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1)}
+    assert got == ref
+
+
 @pytest.mark.parametrize("backend", ["prefetch", "uva"])
 def test_offload_identity(tiny, backend):
     """strategy offload: the GPU stage runs every layer, the CPU stage's 3 streamed from host memory by

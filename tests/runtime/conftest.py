@@ -13,3 +13,9 @@ def tiny_llama(tmp_path_factory):
 def reference_ids(tiny_llama):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return [r["ids"] for r in reference(tiny_llama, PROMPTS, MAX_TOKENS, env=env)]
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory):
+    """The same, as a mixture of experts (Mixtral: 4 experts, 2 routed per token)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-mixtral", layers=4, dtype="float32", experts=4)

@@ -1,6 +1,7 @@
 """Other pipeline shapes give exactly the greedy tokens of single-process vLLM on the same weights:
 tensor parallelism inside every stage (2 stages x TP 2, four CPU workers), three stages,
-compiled (not eager) CPU stages, and stages whose GEMMs are split with a GEMM helper (balanced)."""
+compiled (not eager) CPU stages, stages whose GEMMs are split with a GEMM helper (balanced), and a
+mixture-of-experts model (Mixtral)."""
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, plan_for
+from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, plan_for, reference
 from vllm_hybrid.local import LocalPipeline, post_json
 
 pytestmark = pytest.mark.slow
@@ -100,3 +101,19 @@ def test_split_gemms_match_single_process(tiny_llama, reference_ids, tmp_path):
     assert alone == reference_ids
     assert together == reference_ids
     assert not os.path.exists(sock)  # the helper removes its socket when stopped
+
+
+def test_mixture_of_experts_stages_match_single_process(tiny_mixtral, tmp_path):
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    want = [r["ids"] for r in reference(tiny_mixtral, PROMPTS, MAX_TOKENS, env=env)]
+    pipe = LocalPipeline(plan_for(tiny_mixtral), tmp_path, CPU_ENVS).start()
+    try:
+        pipe.wait_ready(timeout=900)
+        got = [complete(pipe, p) for p in PROMPTS]
+        layers = [resolved(pipe.log(i))["layers"] for i in (0, 1)]
+        engine = pipe.log(1)
+    finally:
+        pipe.stop()
+    assert layers == ["0-0", "1-3"]
+    assert "MixtralForCausalLM" in engine
+    assert got == want

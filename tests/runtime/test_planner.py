@@ -86,3 +86,25 @@ def test_unknown_architecture_and_missing_files(tmp_path):
         read_model_config(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
     assert read_model_config(str(tmp_path))["hidden_size"] == 4096
+
+
+def test_mixtral_counts_every_expert_and_its_router():
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+    s = model_shape(MIXTRAL_8X7B)
+    assert s.experts == 8
+    per_layer = 4096 * 128 * (2 * 32 + 2 * 8) + 8 * (3 * 4096 * 14336 + 4096) + 2 * 4096
+    assert s.layer_bytes == 2 * per_layer
+    total = 32 * s.layer_bytes + 2 * s.embedding_bytes
+    assert 93.0e9 < total < 93.8e9  # Mixtral-8x7B's 46.7B parameters in bf16
+
+
+def test_a_model_larger_than_the_gpu_splits_by_both_memories():
+    # Llama-3.1-70B shape (141 GB in bf16) on an 80 GB GPU and 110Gi of host RAM for the cpu stage
+    from vllm_hybrid.tinymodel import LLAMA_3_1_70B
+    shape = model_shape(LLAMA_3_1_70B)
+    p = plan([{"name": "cpu", "device": "cpu", "cpus": 15, "memory": "110Gi"},
+              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92}], dtype="bfloat16")
+    cpu, gpu = split_layers(p, shape, gpu_memory_bytes=int(79.2 * GiB)).stages
+    assert cpu.layers + gpu.layers == 80 and gpu.layers >= 40  # the GPU is filled first
+    for s in (cpu, gpu):
+        assert s.weight_bytes + s.kv_bytes <= s.budget_bytes and s.kv_tokens >= 8192
