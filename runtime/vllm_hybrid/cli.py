@@ -63,6 +63,7 @@ def build_stage(args, env: dict[str, str]):
         helper_command,
         identity_from_env,
         numactl_prefix,
+        resolve_stage,
         resolved_summary,
         vllm_command,
         vllm_env,
@@ -83,11 +84,11 @@ def build_stage(args, env: dict[str, str]):
     if ident.stage not in lay.stages:
         return plan, ident, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)
-    argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, split, ident, lay=lay)
-    child_env = vllm_env(plan, split, ident, binding, env, lay=lay)
-    helper = helper_command(plan, split, ident, env, lay=lay)
-    summary = resolved_summary(plan, split, ident, binding, child_env, lay=lay)
-    return plan, ident, argv, child_env, helper, summary
+    rec = resolve_stage(plan, split, ident, env, lay)
+    argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, rec, ident)
+    child_env = vllm_env(plan, rec, ident, binding, env)
+    summary = resolved_summary(plan, rec, ident, binding, child_env)
+    return plan, ident, argv, child_env, helper_command(rec), summary
 
 
 def cmd_serve(args) -> int:

@@ -66,30 +66,81 @@ def stall_timeouts(plan: Plan, split: Split, lay: Layout | None = None) -> tuple
     from .progress import compile_grace, default_timeouts
     if plan.stall_timeout is not None:
         return float(plan.stall_timeout), compile_grace(float(plan.stall_timeout))
-    return default_timeouts(slowest_step_s(plan, split, _layout(plan, split, lay)))
-
-
-def helper_command(plan: Plan, split: Split, ident: Identity, env: dict[str, str], python: str = sys.executable,
-                   lay: Layout | None = None) -> list[str] | None:
-    """balanced: a GPU stage whose GPU computes part of CPU stages' GEMMs also runs the GEMM helper."""
-    if not _layout(plan, split, lay).helped_by(ident.stage):
-        return None
-    return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", gemm_socket(env, ident.replica, ident.stage),
-            "--device", "cuda"]
+    return default_timeouts(slowest_step_s(plan, split, lay or layout(plan, split, "pipeline")))
 
 
 OFFLOADERS = {"prefetch": "PrefetchOffloader", "uva": "UVAOffloader"}  # plan.offload_backend -> vLLM's class
 
 
-def _layout(plan: Plan, split: Split, lay: Layout | None) -> Layout:
-    return lay or layout(plan, split, "pipeline")
+@dataclass(frozen=True)
+class StageRecord:
+    """One stage of one replica, resolved once from the plan, the layer split and the strategy's layout:
+    the launcher only renders it into vLLM's argv and env and the GEMM helper's command."""
+    index: int                     # in the plan
+    rank: int                      # in what runs (a strategy may leave stages out)
+    stages: int                    # how many run
+    name: str
+    device: str
+    tp: int
+    strategy: str
+    partition: str                 # VLLM_PP_LAYER_PARTITION
+    layers: str                    # this stage's layer range
+    offload_flags: tuple[str, ...]  # vLLM's flags for the weights it streams (offload)
+    offload_gib: float
+    expect_offloader: str | None   # the offloader class vLLM must report (patches.patch_check_offloader)
+    split_with: int | None         # balanced, cpu stage: the gpu stage whose helper splits its GEMMs
+    split_socket: str | None       # and where that helper listens
+    split_rates: str | None
+    helper_for: tuple[int, ...]    # balanced, gpu stage: the cpu stages its helper serves
+    helper_socket: str | None      # and where it listens
+    kv_cache_gib: int | None       # cpu stages: VLLM_CPU_KVCACHE_SPACE
+    stall_timeout: float
+    compile_grace: float
+    progress_file: str
+
+    @property
+    def role(self) -> str:
+        return "api" if self.rank == 0 else "headless"
 
 
-def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.executable,
-                 lay: Layout | None = None) -> list[str]:
-    stage = plan.stages[ident.stage]
-    lay = _layout(plan, split, lay)
-    n, rank = len(lay.stages), lay.stages.index(ident.stage)
+def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str], lay: Layout | None = None) -> StageRecord:
+    lay = lay or layout(plan, split, "pipeline")
+    stage, rank = plan.stages[ident.stage], lay.stages.index(ident.stage)
+    flags: tuple[str, ...] = ()
+    streamed = lay.offload_bytes[rank]
+    if streamed and plan.offload_backend == "prefetch":
+        group, in_group = prefetch_groups(lay.layers[rank], round(streamed / split.shape.layer_bytes))
+        flags = ("--offload-group-size", str(group), "--offload-num-in-group", str(in_group),
+                 "--offload-prefetch-step", "1")
+    elif streamed:
+        # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
+        # (6 significant digits: a small model's layers round to 0.00 GiB, which vLLM takes as no offload)
+        flags = ("--cpu-offload-gb", f"{streamed / GiB / stage.tensor_parallel:.6g}")
+    split_with, helper_for = lay.helper_of(ident.stage), tuple(lay.helped_by(ident.stage))
+    timeout, grace = stall_timeouts(plan, split, lay)
+    return StageRecord(
+        index=ident.stage, rank=rank, stages=len(lay.stages), name=stage.name, device=stage.device,
+        tp=stage.tensor_parallel, strategy=lay.strategy, partition=lay.partition, layers=lay.ranges()[ident.stage],
+        offload_flags=flags, offload_gib=round(streamed / GiB, 2),
+        expect_offloader=OFFLOADERS[plan.offload_backend] if streamed else None,
+        split_with=split_with,
+        split_socket=gemm_socket(env, ident.replica, split_with) if split_with is not None else None,
+        split_rates=split_rates(hardware_of(plan), stage.cpus or 1).encode() if split_with is not None else None,
+        helper_for=helper_for,
+        helper_socket=gemm_socket(env, ident.replica, ident.stage) if helper_for else None,
+        kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage) if stage.is_cpu else None,
+        stall_timeout=timeout, compile_grace=grace, progress_file=progress_file(env, ident.replica, ident.stage))
+
+
+def helper_command(rec: StageRecord, python: str = sys.executable) -> list[str] | None:
+    """balanced: a GPU stage whose GPU computes part of CPU stages' GEMMs also runs the GEMM helper."""
+    if rec.helper_socket is None:
+        return None
+    return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", rec.helper_socket, "--device", "cuda"]
+
+
+def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sys.executable) -> list[str]:
+    stage = plan.stages[rec.index]
     argv = [python, "-m", "vllm_hybrid.vllm_entry", "serve", plan.model,
             "--served-model-name", plan.served_model_name or Path(plan.model).name,
             "--dtype", plan.dtype,
@@ -98,27 +149,19 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
             "--max-num-seqs", str(plan.max_num_seqs),
             "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
             "--load-format", plan.load_format,
-            "--tensor-parallel-size", str(stage.tensor_parallel),
-            "--pipeline-parallel-size", str(n),
+            "--tensor-parallel-size", str(rec.tp),
+            "--pipeline-parallel-size", str(rec.stages),
             "--distributed-executor-backend", "mp",
             # sampled tokens would travel over the pipeline's device group under async scheduling
             "--no-async-scheduling"]
-    if n > 1:
-        argv += ["--nnodes", str(n), "--node-rank", str(rank),
+    if rec.stages > 1:
+        argv += ["--nnodes", str(rec.stages), "--node-rank", str(rec.rank),
                  "--master-addr", ident.master_addr, "--master-port", str(plan.master_port)]
     if plan.revision:
         argv += ["--revision", plan.revision]
     if not stage.is_cpu:
-        argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization)]
-        if (streamed := lay.offload_bytes[rank]) and plan.offload_backend == "prefetch":
-            group, in_group = prefetch_groups(lay.layers[rank], round(streamed / split.shape.layer_bytes))
-            argv += ["--offload-group-size", str(group), "--offload-num-in-group", str(in_group),
-                     "--offload-prefetch-step", "1"]
-        elif streamed:
-            # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
-            # (6 significant digits: a small model's layers round to 0.00 GiB, which vLLM takes as no offload)
-            argv += ["--cpu-offload-gb", f"{streamed / GiB / stage.tensor_parallel:.6g}"]
-    if rank == 0:
+        argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization), *rec.offload_flags]
+    if rec.rank == 0:
         argv += ["--host", "0.0.0.0", "--port", str(plan.api_port),
                  "--middleware", "vllm_hybrid.api_guard.RequestGuard"]
     else:
@@ -126,26 +169,24 @@ def vllm_command(plan: Plan, split: Split, ident: Identity, python: str = sys.ex
     return argv + list(plan.extra_args)
 
 
-def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | None,
-             base: dict[str, str], lay: Layout | None = None) -> dict[str, str]:
-    stage = plan.stages[ident.stage]
-    lay = _layout(plan, split, lay)
+def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding | None,
+             base: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.update(GPU_VLLM_ENV)
     env.update({
         "HYBRID_PIPELINE": "1",
-        "VLLM_PP_LAYER_PARTITION": lay.partition,
-        "HYBRID_STAGE": str(ident.stage),
+        "VLLM_PP_LAYER_PARTITION": rec.partition,
+        "HYBRID_STAGE": str(rec.index),
         # position in what runs: differs from the plan's stage index when a strategy leaves stages out
-        "HYBRID_PIPELINE_RANK": str(lay.stages.index(ident.stage)),
-        "HYBRID_PIPELINE_STAGES": str(len(lay.stages)),
+        "HYBRID_PIPELINE_RANK": str(rec.rank),
+        "HYBRID_PIPELINE_STAGES": str(rec.stages),
         "HYBRID_REPLICA": str(ident.replica),
-        "HYBRID_STAGE_NAME": stage.name,
-        "HYBRID_LAYER_RANGE": lay.ranges()[ident.stage],
+        "HYBRID_STAGE_NAME": rec.name,
+        "HYBRID_LAYER_RANGE": rec.layers,
         "VLLM_NO_USAGE_STATS": "1",
         # the first worker publishes its progress there; the launcher restarts the stage on a stall
-        "HYBRID_PROGRESS_FILE": progress_file(base, ident.replica, ident.stage),
-        "HYBRID_STALL_TIMEOUT": "{:g},{:g}".format(*stall_timeouts(plan, split, lay)),
+        "HYBRID_PROGRESS_FILE": rec.progress_file,
+        "HYBRID_STALL_TIMEOUT": f"{rec.stall_timeout:g},{rec.compile_grace:g}",
     })
     # one batch in flight: micro-batches would make a CPU stage read its weights once per micro-batch
     env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
@@ -155,22 +196,22 @@ def vllm_env(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | No
         env["VLLM_HOST_IP"] = ident.host_ip
     if Path(plan.model).is_dir():
         env.setdefault("HF_HUB_OFFLINE", "1")
-    if lay.offload_bytes[lay.stages.index(ident.stage)]:
+    if rec.expect_offloader:
         # vLLM ignores offload flags it cannot honour (the V2 runner does): patches.patch_check_offloader
-        env["HYBRID_EXPECT_OFFLOADER"] = OFFLOADERS[plan.offload_backend]
-    if stage.is_cpu:
+        env["HYBRID_EXPECT_OFFLOADER"] = rec.expect_offloader
+    if rec.device == "cpu":
         assert binding is not None
         env.update({
             "CUDA_VISIBLE_DEVICES": "",  # a CPU stage must not pick up a GPU on a shared node
             "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib(plan, split, ident.stage)),
+            "VLLM_CPU_KVCACHE_SPACE": str(rec.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": binding.omp_bind,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the reserve is already left out of omp_bind
         })
-        if (helper := lay.helper_of(ident.stage)) is not None:
+        if rec.split_socket:
             # balanced: this stage's GEMMs are split with that GPU stage's helper (patches.patch_split_gemm)
-            env["HYBRID_GEMM_SOCKET"] = gemm_socket(base, ident.replica, helper)
-            env.setdefault("HYBRID_SPLIT_RATES", split_rates(hardware_of(plan), stage.cpus or 1).encode())
+            env["HYBRID_GEMM_SOCKET"] = rec.split_socket
+            env.setdefault("HYBRID_SPLIT_RATES", rec.split_rates)
         # AMX CPUs: sgl-kernel GEMMs read the weights at 87% of DRAM bandwidth at batch 1 against oneDNN's
         # 73% (bench/results/cpu_kernels.json); oneDNN wins from batch ~64 and in prefill, where `auto`
         # streams to the GPU instead. vLLM ignores it where the CPU has no AMX. Overridable per stage.
@@ -185,25 +226,21 @@ def numactl_prefix(binding: CpuBinding | None, numactl: str | None) -> list[str]
     return [numactl, f"--membind={binding.numa_node}"]
 
 
-def resolved_summary(plan: Plan, split: Split, ident: Identity, binding: CpuBinding | None,
-                     env: dict[str, str], lay: Layout | None = None) -> dict:
-    stage = plan.stages[ident.stage]
-    lay = _layout(plan, split, lay)
-    rank = lay.stages.index(ident.stage)
-    out = {"stage": ident.stage, "name": stage.name, "device": stage.device, "replica": ident.replica,
-           "stages": len(lay.stages), "layers": lay.ranges()[ident.stage], "strategy": lay.strategy,
-           "partition": lay.partition, "tp": stage.tensor_parallel, "master": f"{ident.master_addr}:{plan.master_port}",
-           "role": "api" if rank == 0 else "headless", "model": plan.model,
-           "stall_timeout_s": stall_timeouts(plan, split, lay)[0]}
-    if lay.offload_bytes[rank]:
-        out["offload_gib"] = round(lay.offload_bytes[rank] / GiB, 2)
-    if (helper := lay.helper_of(ident.stage)) is not None:
-        out["gemm_split_with"] = helper
-    if helped := lay.helped_by(ident.stage):
-        out["gemm_helper_for"] = helped
+def resolved_summary(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding | None,
+                     env: dict[str, str]) -> dict:
+    stage = plan.stages[rec.index]
+    out = {"stage": rec.index, "name": rec.name, "device": rec.device, "replica": ident.replica,
+           "stages": rec.stages, "layers": rec.layers, "strategy": rec.strategy,
+           "partition": rec.partition, "tp": rec.tp, "master": f"{ident.master_addr}:{plan.master_port}",
+           "role": rec.role, "model": plan.model, "stall_timeout_s": rec.stall_timeout}
+    if rec.offload_gib:
+        out["offload_gib"] = rec.offload_gib
+    if rec.split_with is not None:
+        out["gemm_split_with"] = rec.split_with
+    if rec.helper_for:
+        out["gemm_helper_for"] = list(rec.helper_for)
     if binding:
-        out.update(cpus=binding.omp_bind, numa_node=binding.numa_node,
-                   kv_cache_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))
+        out.update(cpus=binding.omp_bind, numa_node=binding.numa_node, kv_cache_gib=rec.kv_cache_gib)
     else:
         out.update(gpu_memory_utilization=stage.gpu_memory_utilization,
                    cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES", "all"))

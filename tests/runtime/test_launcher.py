@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_planner import LLAMA_8B
 from vllm_hybrid.cpubind import plan_binding
-from vllm_hybrid.launcher import identity_from_env, numactl_prefix, vllm_command, vllm_env
+from vllm_hybrid.launcher import identity_from_env, numactl_prefix, resolve_stage, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.plugin import UnsupportedVllmVersion, check_vllm_version
@@ -27,13 +27,15 @@ def build(stage, env=None):
     ident = identity_from_env({"HYBRID_MASTER_ADDR": "x-gpu-{replica}.x-peers", "HYBRID_REPLICA": "2",
                                "HYBRID_HOST_IP": "10.0.0.5", **(env or {})}, stage=stage)
     binding = plan_binding(list(range(16)), {0: list(range(16))}) if plan.stages[stage].is_cpu else None
-    return vllm_command(plan, split, ident, python="py"), vllm_env(plan, split, ident, binding, {"PATH": "/bin"}), binding
+    rec = resolve_stage(plan, split, ident, {"PATH": "/bin"})
+    return vllm_command(plan, rec, ident, python="py"), vllm_env(plan, rec, ident, binding, {"PATH": "/bin"}), binding
 
 
 def _built(stage):
     plan = plan_from_dict(PLAN)
     ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=stage)
-    return plan, split_layers(plan, model_shape(LLAMA_8B)), ident, plan_binding(list(range(16)), {0: list(range(16))})
+    split = split_layers(plan, model_shape(LLAMA_8B))
+    return plan, resolve_stage(plan, split, ident, {}), ident, plan_binding(list(range(16)), {0: list(range(16))})
 
 
 def flag(argv, name):

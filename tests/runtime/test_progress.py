@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 from vllm_hybrid import progress
-from vllm_hybrid.launcher import Identity, stall_timeouts, vllm_env
+from vllm_hybrid.launcher import Identity, resolve_stage, stall_timeouts, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.progress import ProgressWriter, StallWatch, default_timeouts, size_bucket
@@ -104,7 +104,8 @@ def test_default_timeouts_follow_the_expected_step(tmp_path):
     assert stall_timeouts(plan_from_dict({**raw, "stall_timeout": 0}), split) == (0.0, 0.0)
     with pytest.raises(PlanError, match="stall_timeout"):
         plan_from_dict({**raw, "stall_timeout": -1})
-    env = vllm_env(plan, split, Identity(0, 2, "x", None), None, {"HYBRID_INSTANCE": "demo"})
+    ident, base = Identity(0, 2, "x", None), {"HYBRID_INSTANCE": "demo"}
+    env = vllm_env(plan, resolve_stage(plan, split, ident, base), ident, None, base)
     assert env["HYBRID_PROGRESS_FILE"] == "/dev/shm/.hybrid-demo-r2-s0.progress"
     assert env["HYBRID_STALL_TIMEOUT"] == f"{timeout:g},{grace:g}"
 

@@ -1,6 +1,6 @@
 import pytest
 from vllm_hybrid.cpubind import CpuBinding
-from vllm_hybrid.launcher import Identity, helper_command, vllm_command, vllm_env
+from vllm_hybrid.launcher import Identity, helper_command, resolve_stage, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.strategy import Hardware, Rates, prefetch_groups, resolve, split_rates
@@ -21,13 +21,15 @@ def test_offload_runs_the_gpu_stage_with_every_layer_streaming_the_cpu_ones(stag
     plan, split = planned(stages, strategy="offload")
     lay, _ = resolve(plan, split)
     assert (lay.stages, lay.layers, lay.offload_bytes) == (runs, (32,), (16 * SHAPE.layer_bytes,))
-    argv = vllm_command(plan, split, Identity(runs[0], 0, "10.0.0.1", None), python="py", lay=lay)
+    ident = Identity(runs[0], 0, "10.0.0.1", None)
+    rec = resolve_stage(plan, split, ident, {}, lay)
+    argv = vllm_command(plan, rec, ident, python="py")
     # vLLM's prefetch offloader, one of every 2 layers: the CPU stage's 16 of 32
     assert argv[argv.index("--offload-group-size") + 1:argv.index("--offload-group-size") + 6] == [
         "2", "--offload-num-in-group", "1", "--offload-prefetch-step", "1"]
     assert "--cpu-offload-gb" not in argv
     assert "--nnodes" not in argv and "--headless" not in argv and "--port" in argv
-    env = vllm_env(plan, split, Identity(runs[0], 0, "10.0.0.1", None), None, {}, lay=lay)
+    env = vllm_env(plan, rec, ident, None, {})
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the V2 runner ignores vLLM's offload flags
     assert env["HYBRID_EXPECT_OFFLOADER"] == "PrefetchOffloader"  # else the stage fails at start
     assert env["VLLM_PP_LAYER_PARTITION"] == "32" and env["HYBRID_PIPELINE_STAGES"] == "1"
@@ -36,10 +38,12 @@ def test_offload_runs_the_gpu_stage_with_every_layer_streaming_the_cpu_ones(stag
 def test_offload_backend_uva_streams_the_same_bytes_with_cpu_offload_gb():
     plan, split = planned([GPU, CPU], strategy="offload", offload_backend="uva")
     lay, _ = resolve(plan, split)
-    argv = vllm_command(plan, split, Identity(0, 0, "10.0.0.1", None), python="py", lay=lay)
+    ident = Identity(0, 0, "10.0.0.1", None)
+    rec = resolve_stage(plan, split, ident, {}, lay)
+    argv = vllm_command(plan, rec, ident, python="py")
     assert argv[argv.index("--cpu-offload-gb") + 1] == "6.50024"  # layers 16-31: 16 x 0.406 GiB
     assert "--offload-group-size" not in argv
-    assert vllm_env(plan, split, Identity(0, 0, "h", None), None, {}, lay=lay)["HYBRID_EXPECT_OFFLOADER"] == "UVAOffloader"
+    assert vllm_env(plan, rec, ident, None, {})["HYBRID_EXPECT_OFFLOADER"] == "UVAOffloader"
     with pytest.raises(PlanError, match="offload_backend: expected one of"):
         planned([GPU, CPU], offload_backend="gds")
 
@@ -62,19 +66,21 @@ def test_balanced_splits_the_cpu_stages_gemms_with_the_gpu_stages_helper(stages,
     assert (lay.stages, lay.layers, lay.offload_bytes) == ((0, 1), (16, 16), (0, 0))
     assert lay.helper_of(cpu) == gpu and lay.helper_of(gpu) is None and lay.helped_by(gpu) == [cpu]
     base = {"HYBRID_INSTANCE": "llama", "HYBRID_SHM_DIR": "/dev/shm"}
-    cpu_env = vllm_env(plan, split, Identity(cpu, 2, "10.0.0.1", None), CpuBinding("1-2", 2, None, [1, 2]), base, lay=lay)
+    ids = {i: Identity(i, 2, "10.0.0.1", None) for i in (cpu, gpu)}
+    recs = {i: resolve_stage(plan, split, ids[i], base, lay) for i in (cpu, gpu)}
+    cpu_env = vllm_env(plan, recs[cpu], ids[cpu], CpuBinding("1-2", 2, None, [1, 2]), base)
     assert cpu_env["HYBRID_GEMM_SOCKET"] == f"/dev/shm/hybrid-llama-r2-s{gpu}.gemm"
     assert Rates.decode(cpu_env["HYBRID_SPLIT_RATES"]) == split_rates(Hardware(), 15)
-    helper = helper_command(plan, split, Identity(gpu, 2, "10.0.0.1", None), base, python="py", lay=lay)
+    helper = helper_command(recs[gpu], python="py")
     assert helper == ["py", "-m", "vllm_hybrid.gemm_helper", "--socket", cpu_env["HYBRID_GEMM_SOCKET"],
                       "--device", "cuda"]
-    assert helper_command(plan, split, Identity(cpu, 2, "10.0.0.1", None), base, lay=lay) is None
-    gpu_argv = vllm_command(plan, split, Identity(gpu, 2, "10.0.0.1", None), python="py", lay=lay)
+    assert helper_command(recs[cpu]) is None
+    gpu_argv = vllm_command(plan, recs[gpu], ids[gpu], python="py")
     assert "--cpu-offload-gb" not in gpu_argv
     pipe = resolve(*planned(stages, strategy="pipeline"))[0]
-    assert "HYBRID_GEMM_SOCKET" not in vllm_env(plan, split, Identity(cpu, 0, "h", None), CpuBinding("1", 1, None, [1]),
-                                                base, lay=pipe)
-    assert helper_command(plan, split, Identity(gpu, 0, "h", None), base, lay=pipe) is None
+    assert "HYBRID_GEMM_SOCKET" not in vllm_env(plan, resolve_stage(plan, split, ids[cpu], base, pipe), ids[cpu],
+                                                CpuBinding("1", 1, None, [1]), base)
+    assert helper_command(resolve_stage(plan, split, ids[gpu], base, pipe)) is None
 
 
 def test_each_cpu_stage_uses_the_gpu_stage_before_it_else_the_first():
