@@ -71,7 +71,7 @@ def recv_msg(sock: socket.socket, max_fds: int = 0) -> dict:
 
 
 def io_layout(max_rows: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
-    """Elements of the io file's two regions: x (rows x largest k), then y (rows x largest n)."""
+    """Elements of the io region's two parts: x (rows x largest k), then y (rows x largest n)."""
     return max_rows * max(k for _, k in shapes), max_rows * max(n for n, _ in shapes)
 
 
