@@ -110,10 +110,15 @@ def test_mixture_of_experts_identity(tmp_path_factory, order):
     """Mixtral (4 experts, 2 routed per token), float32: a CUDA stage and a CPU stage give the greedy
     tokens of single-process vLLM on the GPU."""
     moe = make_tiny_llama(tmp_path_factory.mktemp("moe") / "tiny-mixtral", layers=4, dtype="float32", experts=4)
-    ref = [r["ids"] for r in reference(moe, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    refs = reference(moe, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    ref = [r["ids"] for r in refs]
     stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
     got, ready = run_pipeline(moe, stages, "float32", f"f32-moe-{order}")
-    RESULTS[f"float32_mixtral_{order}"] = {"identical": got == ref, "ready_s": round(ready, 1)}
+    # where each prompt first differs, and the reference's top-2 logprob gap there (a near-tie or not)
+    diverged = {i: next(j for j, (a, b) in enumerate(zip(g, r)) if a != b) for i, (g, r) in enumerate(zip(got, ref)) if g != r}
+    RESULTS[f"float32_mixtral_{order}"] = {
+        "identical": got == ref, "ready_s": round(ready, 1),
+        "diverged": {i: {"token": j, "top2_gap": refs[i]["top"][j][0][1] - refs[i]["top"][j][1][1]} for i, j in diverged.items()}}
     assert got == ref
 
 
