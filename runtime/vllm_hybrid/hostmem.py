@@ -37,6 +37,20 @@ class Region:
         os.close(self.fd)
 
 
+HUGETLB_LIMITS = ("/sys/fs/cgroup/hugetlb.2MB.max", "/sys/fs/cgroup/hugetlb/hugetlb.2MB.limit_in_bytes")
+
+
+def pod_huge_page_limit(paths: tuple[str, ...] | None = None) -> int | None:
+    """Bytes of 2 MiB pages this container may use (Kubernetes' hugepages-2Mi limit); None if unbounded."""
+    for path in paths or HUGETLB_LIMITS:
+        try:
+            value = open(path).read().strip()
+        except OSError:
+            continue
+        return None if value == "max" or int(value) >= 1 << 62 else int(value)
+    return None
+
+
 def _hugetlb(name: str, nbytes: int) -> Region | None:
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_HUGE_2MB)
@@ -72,6 +86,12 @@ def allocate(name: str, nbytes: int, pages: str | None = None) -> Region:
     if pages not in ("huge", "shmem"):
         raise ValueError(f"{PAGES_ENV}={pages!r}: use huge or shmem")
     region = _hugetlb(name, nbytes) if pages == "huge" else None
+    limit = pod_huge_page_limit()
+    if region is None and pages == "huge" and limit:
+        # the pod was given huge pages (and less memory for them): shmem now would overrun its memory limit
+        raise RuntimeError(f"weights need {round_up(nbytes, HUGE_PAGE) >> 20} MiB of 2 MiB pages, but the "
+                           f"pod's hugepages-2Mi limit is {limit >> 20} MiB or the node has too few free: "
+                           "raise the stage's hugepages-2Mi, or drop it and give the stage the memory instead")
     region = region or _shmem(name, nbytes)
     if region.kind == "shmem":
         region.page_size = backing_page_size(region)

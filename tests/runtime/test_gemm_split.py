@@ -171,3 +171,17 @@ def test_a_split_pass_beats_either_side_alone():
     both = split_pass_s(w, 4096, 1, 2, r)
     gpu_only, cpu_only = w / (r.pcie_gbs * 1e9), w / (r.cpu_gbs * 1e9)
     assert both == pytest.approx(1 / (1 / gpu_only + 1 / cpu_only), rel=0.01)
+
+
+def test_a_pod_with_too_few_huge_pages_fails_with_the_sizes(tmp_path, monkeypatch):
+    limit = tmp_path / "hugetlb.2MB.max"
+    limit.write_text("max\n")
+    assert hostmem.pod_huge_page_limit([str(limit)]) is None
+    limit.write_text(str(4 << 20))
+    assert hostmem.pod_huge_page_limit([str(tmp_path / "none"), str(limit)]) == 4 << 20
+    monkeypatch.setattr(hostmem, "HUGETLB_LIMITS", (str(limit),))
+    monkeypatch.setattr(hostmem, "_hugetlb", lambda name, nbytes: None)  # as when the pool or the limit is short
+    with pytest.raises(RuntimeError, match=r"weights need 10 MiB of 2 MiB pages, but the pod's hugepages-2Mi "
+                                           r"limit is 4 MiB"):
+        hostmem.allocate("w", 10 << 20)
+    assert hostmem.allocate("w", 10 << 20, pages="shmem").kind == "shmem"  # asked for shmem: no huge pages needed
