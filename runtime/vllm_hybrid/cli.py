@@ -8,7 +8,7 @@ import os
 import sys
 
 from .plan import PlanError, load_plan
-from .planner import model_shape, read_model_config, split_layers
+from .planner import model_shape, read_model_config
 
 log = logging.getLogger("vllm_hybrid")
 
@@ -19,17 +19,17 @@ def _gib(text: str) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .strategy import resolve_split
     plan = load_plan(args.plan)
     config = read_model_config(args.model or plan.model)
-    split = split_layers(plan, model_shape(config, plan.dtype), args.gpu_memory)
+    split, lay, estimates = resolve_split(plan, model_shape(config, plan.dtype), args.gpu_memory)
     print(split.describe())
-    print(strategy_line(plan, split))
+    print(strategy_line(plan, lay, estimates))
     return 0
 
 
-def strategy_line(plan, split, api_stage=None, shared_shm=True) -> str:
-    from .strategy import resolve, workload_of
-    lay, estimates = resolve(plan, split, api_stage=api_stage, shared_shm=shared_shm)
+def strategy_line(plan, lay, estimates) -> str:
+    from .strategy import workload_of
     w = workload_of(plan)
     guess = ", ".join(f"{k} {v:.1f}" for k, v in estimates.items())
     return (f"strategy: {plan.strategy} -> {lay.strategy}; partition {lay.partition}, streamed GiB "
@@ -73,14 +73,14 @@ def build_stage(args, env: dict[str, str]):
     ident = identity_from_env(env, args.stage, args.replica)
     if not 0 <= ident.stage < len(plan.stages):
         raise PlanError(f"stage: {ident.stage} is out of range, the plan has {len(plan.stages)} stages")
-    from .strategy import resolve
-    split = split_layers(plan, model_shape(read_model_config(plan.model), plan.dtype), args.gpu_memory)
+    from .strategy import resolve_split
     # set by the operator: its client Service sends requests to stage 0's pods
     api_stage = int(env["HYBRID_API_STAGE"]) if env.get("HYBRID_API_STAGE") else None
     # set by the operator: 0 where the replica's pods do not share /dev/shm (no GEMM helper then)
     shared_shm = env.get("HYBRID_SHM_SHARED", "1") == "1"
-    lay, _ = resolve(plan, split, api_stage=api_stage, shared_shm=shared_shm)
-    log.info(strategy_line(plan, split, api_stage, shared_shm))
+    split, lay, estimates = resolve_split(plan, model_shape(read_model_config(plan.model), plan.dtype),
+                                          args.gpu_memory, api_stage=api_stage, shared_shm=shared_shm)
+    log.info(strategy_line(plan, lay, estimates))
     if ident.stage not in lay.stages:
         return plan, ident, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)

@@ -94,6 +94,7 @@ class StageRecord:
     helper_for: tuple[int, ...]    # balanced, gpu stage: the cpu stages its helper serves
     helper_socket: str | None      # and where it listens
     kv_cache_gib: int | None       # cpu stages: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float | None  # gpu stages: vLLM's share, less what runs beside it (the helper)
     stall_timeout: float
     compile_grace: float
     progress_file: str
@@ -129,6 +130,7 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
         helper_for=helper_for,
         helper_socket=gemm_socket(env, ident.replica, ident.stage) if helper_for else None,
         kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage) if stage.is_cpu else None,
+        gpu_memory_utilization=None if stage.is_cpu else split.stages[ident.stage].gpu_memory_utilization,
         stall_timeout=timeout, compile_grace=grace, progress_file=progress_file(env, ident.replica, ident.stage))
 
 
@@ -160,7 +162,7 @@ def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sy
     if plan.revision:
         argv += ["--revision", plan.revision]
     if not stage.is_cpu:
-        argv += ["--gpu-memory-utilization", str(stage.gpu_memory_utilization), *rec.offload_flags]
+        argv += ["--gpu-memory-utilization", str(rec.gpu_memory_utilization), *rec.offload_flags]
     if rec.rank == 0:
         argv += ["--host", "0.0.0.0", "--port", str(plan.api_port),
                  "--middleware", "vllm_hybrid.api_guard.RequestGuard"]
@@ -228,7 +230,6 @@ def numactl_prefix(binding: CpuBinding | None, numactl: str | None) -> list[str]
 
 def resolved_summary(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding | None,
                      env: dict[str, str]) -> dict:
-    stage = plan.stages[rec.index]
     out = {"stage": rec.index, "name": rec.name, "device": rec.device, "replica": ident.replica,
            "stages": rec.stages, "layers": rec.layers, "strategy": rec.strategy,
            "partition": rec.partition, "tp": rec.tp, "master": f"{ident.master_addr}:{plan.master_port}",
@@ -242,7 +243,7 @@ def resolved_summary(plan: Plan, rec: StageRecord, ident: Identity, binding: Cpu
     if binding:
         out.update(cpus=binding.omp_bind, numa_node=binding.numa_node, kv_cache_gib=rec.kv_cache_gib)
     else:
-        out.update(gpu_memory_utilization=stage.gpu_memory_utilization,
+        out.update(gpu_memory_utilization=rec.gpu_memory_utilization,
                    cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES", "all"))
     return out
 

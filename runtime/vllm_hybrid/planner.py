@@ -6,6 +6,7 @@ pipeline computes the same split without talking to the others.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,12 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # the Python/torch runtime and compile caches on CPU stages.
 GPU_RUNTIME_RESERVE = 2 * GiB
 CPU_RUNTIME_RESERVE = 3 * GiB
+# offload: vLLM's prefetch offloader keeps static GPU buffers for prefetch_step (1) streamed layer
+# (vllm/model_executor/offloader/prefetch.py, StaticBufferPool slot_capacity)
+PREFETCH_BUFFER_LAYERS = 1
+# balanced: the GEMM helper's weight ring per CPU worker (gemm_helper.RING, HYBRID_GEMM_RING) + its miss buffer
+HELPER_RING_SLOTS = int(os.environ.get("HYBRID_GEMM_RING", "8")) + 1
+HELPER_CONTEXT = GiB // 2  # its CUDA context and kernels
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,16 @@ class ModelShape:
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def biggest_split_weight(self, lm_head: bool) -> tuple[int, int]:
+        """(rows, cols) of the largest 2-D product a balanced CPU stage splits (experts are 3-D: not split)."""
+        qkv = ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden)
+        candidates = [qkv, (self.hidden, self.heads * self.head_dim)]
+        if not self.experts:
+            candidates += [(2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
+        if lm_head:
+            candidates.append((self.vocab, self.hidden))
+        return max(candidates, key=lambda rc: rc[0] * rc[1])
 
 
 def read_model_config(model: str) -> dict:
@@ -110,6 +127,16 @@ class StagePlan:
     budget_bytes: int
     kv_bytes: int
     kv_tokens: int
+    beside_vllm_bytes: int = 0  # gpu stages: what takes GPU memory outside vLLM (balanced: the GEMM helper)
+    gpu_memory_bytes: int | None = None  # of one GPU, where known
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        """What vLLM may take of each GPU: the stage's share less what runs beside it."""
+        gmu = self.stage.gpu_memory_utilization
+        if self.beside_vllm_bytes and self.gpu_memory_bytes:
+            gmu -= self.beside_vllm_bytes / self.stage.tensor_parallel / self.gpu_memory_bytes
+        return round(gmu, 4)
 
     @property
     def layer_range(self) -> str:
@@ -167,22 +194,53 @@ def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
     return fixed
 
 
-def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = None) -> Split:
+def streaming_gpu(stages: tuple[Stage, ...], index: int) -> int:
+    """The gpu stage serving cpu stage `index` under offload and balanced: the one before it (layers stay
+    contiguous), else the first."""
+    gpus = [i for i, s in enumerate(stages) if not s.is_cpu]
+    return max((j for j in gpus if j < index), default=min(gpus))
+
+
+def helper_gpu_bytes(plan: Plan, shape: ModelShape, gpu: int) -> int:
+    """balanced: GPU memory that gpu stage `gpu`'s GEMM helper takes beside vLLM: a ring of the biggest
+    split weight per CPU worker it serves, the largest output of a prefill chunk, its CUDA context."""
+    served = [i for i, s in enumerate(plan.stages) if s.is_cpu and streaming_gpu(plan.stages, i) == gpu]
+    if not served:
+        return 0
+    n = len(plan.stages)
+    rows, cols = max((shape.biggest_split_weight(lm_head=i == n - 1) for i in served), key=lambda rc: rc[0] * rc[1])
+    workers = sum(plan.stages[i].tensor_parallel for i in served)
+    ring = workers * HELPER_RING_SLOTS * rows * cols * shape.dtype_bytes
+    return ring + plan.max_num_batched_tokens * (rows + cols) * shape.dtype_bytes + HELPER_CONTEXT
+
+
+def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = None,
+                 strategy: str = "pipeline") -> Split:
+    """Layers per stage so that each stage's weights + KV fit its budget under `strategy`: offload's gpu
+    stage also holds the KV of the layers it streams, the LM head and the prefetch buffers; balanced's
+    leaves room for its GEMM helper."""
     n, total = len(plan.stages), shape.num_layers
     # Every stage must hold KV for at least one full-length sequence.
     min_kv_per_layer = shape.kv_bytes_per_token_per_layer * plan.max_model_len
     per_layer = shape.layer_bytes + min_kv_per_layer
+    gpus = [i for i, s in enumerate(plan.stages) if not s.is_cpu]
+    beside = [helper_gpu_bytes(plan, shape, i) if strategy == "balanced" and i in gpus else 0 for i in range(n)]
     if plan.layers_explicit:
         counts = [s.layers for s in plan.stages]
         if sum(counts) != total:
             raise PlanError(f"stages[*].layers: sum to {sum(counts)}, but the model has {total} layers")
-        budgets = [stage_budget(s, gpu_memory_bytes) if (s.is_cpu or s.memory_bytes or gpu_memory_bytes)
-                   else None for s in plan.stages]
+        budgets = [stage_budget(s, gpu_memory_bytes) - beside[i] if (s.is_cpu or s.memory_bytes or gpu_memory_bytes)
+                   else None for i, s in enumerate(plan.stages)]
     else:
         if total < n:
             raise PlanError(f"stages: {n} stages but the model has only {total} layers")
-        budgets = [stage_budget(s, gpu_memory_bytes) for s in plan.stages]
+        budgets = [stage_budget(s, gpu_memory_bytes) - beside[i] for i, s in enumerate(plan.stages)]
         capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // per_layer) for i, b in enumerate(budgets)]
+        if strategy == "offload" and gpus and len(gpus) < n:
+            for g in gpus:  # its own layers' weights, every layer it may serve's KV, both ends, one buffer
+                reserved = (2 * shape.embedding_bytes + (total - len(gpus) + 1) * min_kv_per_layer
+                            + PREFETCH_BUFFER_LAYERS * shape.layer_bytes)
+                capacity[g] = max(0, (budgets[g] - reserved) // shape.layer_bytes)
         counts = _assign(plan.stages, capacity, total)
     stages = []
     first = 0
@@ -198,7 +256,8 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
                 f"({_budget_note(s)})")
         kv = max(0, kv)
         stages.append(StagePlan(s, i, first, count, weights, budget or 0, kv,
-                                kv // (count * shape.kv_bytes_per_token_per_layer)))
+                                kv // (count * shape.kv_bytes_per_token_per_layer), beside[i],
+                                None if s.is_cpu else (s.memory_bytes or gpu_memory_bytes)))
         first += count
     return Split(shape, tuple(stages))
 

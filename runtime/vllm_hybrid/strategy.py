@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from .plan import Plan, PlanError
-from .planner import Split
+from .planner import Split, split_layers, streaming_gpu
 
 ALIGN = 16  # a GPU share of a split GEMM is whole 16-row blocks; below one block the CPU does it all
 
@@ -95,11 +95,6 @@ def prefetch_groups(layers: int, streamed: int) -> tuple[int, int]:
     return layers // g, streamed // g
 
 
-def _gpu_for(gpus: list[int], i: int) -> int:
-    """The GPU stage serving CPU stage i: the one before it (its layers stay contiguous), else the first."""
-    return max((j for j in gpus if j < i), default=min(gpus))
-
-
 def layout(plan: Plan, split: Split, strategy: str) -> Layout:
     counts = [sp.layers for sp in split.stages]
     everyone = tuple(range(len(counts)))
@@ -109,7 +104,7 @@ def layout(plan: Plan, split: Split, strategy: str) -> Layout:
             raise PlanError(f"strategy: {strategy} needs a gpu stage to stream layers to")
         return Layout("pipeline", everyone, tuple(counts), (0,) * len(counts))
     if strategy == "balanced":
-        helpers = tuple(_gpu_for(gpus, i) if plan.stages[i].is_cpu else None for i in everyone)
+        helpers = tuple(streaming_gpu(plan.stages, i) if plan.stages[i].is_cpu else None for i in everyone)
         return Layout("balanced", everyone, tuple(counts), (0,) * len(counts), helpers)
     lb = split.shape.layer_bytes
     layers, streamed = dict.fromkeys(everyone, 0), dict.fromkeys(everyone, 0)
@@ -117,7 +112,7 @@ def layout(plan: Plan, split: Split, strategy: str) -> Layout:
         if not plan.stages[i].is_cpu:
             layers[i] += counts[i]
             continue
-        g = _gpu_for(gpus, i)
+        g = streaming_gpu(plan.stages, i)
         layers[g], streamed[g] = layers[g] + counts[i], streamed[g] + counts[i] * lb
     keep = [i for i in everyone if layers[i]]
     return Layout(strategy, tuple(keep), tuple(layers[i] for i in keep), tuple(streamed[i] for i in keep))
@@ -225,6 +220,18 @@ def slowest_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware | None = 
 
 def hardware_of(plan: Plan) -> Hardware:
     return Hardware(**dict(plan.hardware))
+
+
+def resolve_split(plan: Plan, shape, gpu_memory_bytes: int | None = None, hw: Hardware | None = None,
+                  api_stage: int | None = None, shared_shm: bool = True) -> tuple[Split, Layout, dict[str, float]]:
+    """The split and layout to run: the strategy is chosen on the pipeline split (auto: by the cost
+    model), then gets a split of its own (offload and balanced need GPU memory for other things)."""
+    split = split_layers(plan, shape, gpu_memory_bytes)
+    lay, estimates = resolve(plan, split, hw, api_stage, shared_shm)
+    if lay.strategy != "pipeline":
+        split = split_layers(plan, shape, gpu_memory_bytes, lay.strategy)
+        lay = layout(plan, split, lay.strategy)
+    return split, lay, estimates
 
 
 def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int | None = None,

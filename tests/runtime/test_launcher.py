@@ -152,3 +152,17 @@ def test_stage_left_out_by_offload_idles_with_metrics(tiny_llama, tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0 and "not used under strategy offload" in out
+
+
+def test_a_balanced_gpu_stage_leaves_its_helper_room_on_the_gpu():
+    from vllm_hybrid.planner import helper_gpu_bytes
+    from vllm_hybrid.strategy import resolve_split
+    raw = {**PLAN, "strategy": "balanced", "max_num_batched_tokens": 4096}
+    raw["stages"] = [dict(PLAN["stages"][0], memory="80Gi"), PLAN["stages"][1]]
+    plan = plan_from_dict(raw)
+    split, lay, _ = resolve_split(plan, model_shape(LLAMA_8B))
+    ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=0)
+    argv = vllm_command(plan, resolve_stage(plan, split, ident, {}, lay), ident, python="py")
+    share = 0.8 - helper_gpu_bytes(plan, model_shape(LLAMA_8B), 0) / (80 << 30)
+    # GPU first: the cpu stage holds the LM head, the biggest weight, so each ring slot is that big
+    assert 0.6 < share < 0.7 and flag(argv, "--gpu-memory-utilization") == str(round(share, 4))

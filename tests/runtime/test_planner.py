@@ -108,3 +108,29 @@ def test_a_model_larger_than_the_gpu_splits_by_both_memories():
     assert cpu.layers + gpu.layers == 80 and gpu.layers >= 40  # the GPU is filled first
     for s in (cpu, gpu):
         assert s.weight_bytes + s.kv_bytes <= s.budget_bytes and s.kv_tokens >= 8192
+
+
+def test_each_strategy_gets_a_split_that_fits_its_gpu_memory():
+    # the 70B shape on an 80 GB GPU + 110Gi for the cpu stage, CPU stage first (the LM head on the GPU)
+    from vllm_hybrid.planner import HELPER_RING_SLOTS, helper_gpu_bytes
+    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.tinymodel import LLAMA_3_1_70B
+    shape, gpu_mem = model_shape(LLAMA_3_1_70B), int(79.2 * GiB)
+    stages = [{"name": "cpu", "device": "cpu", "cpus": 15, "memory": "110Gi"},
+              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92}]
+    kv = shape.kv_bytes_per_token_per_layer * 8192
+    got = {}
+    for strategy in ("pipeline", "offload", "balanced"):
+        p = plan(stages, dtype="bfloat16", strategy=strategy, max_num_batched_tokens=4096)
+        split, lay, _ = resolve_split(p, shape, gpu_mem)
+        cpu, gpu = split.stages
+        got[strategy] = gpu.layers
+        assert lay.strategy == strategy and cpu.layers + gpu.layers == 80
+        if strategy == "offload":  # the GPU holds its layers, both ends, one prefetch buffer and every layer's KV
+            assert gpu.layers * shape.layer_bytes + 2 * shape.embedding_bytes + shape.layer_bytes + 80 * kv <= gpu.budget_bytes
+        if strategy == "balanced":  # the GEMM helper's ring of the biggest weight (gate_up) sits beside vLLM
+            helper = helper_gpu_bytes(p, shape, 1)
+            assert helper > HELPER_RING_SLOTS * 2 * 28672 * 8192 * 2 and gpu.beside_vllm_bytes == helper
+            assert gpu.gpu_memory_utilization == round(0.92 - helper / gpu_mem, 4)
+            assert gpu.weight_bytes + gpu.layers * kv <= gpu.budget_bytes == int(gpu_mem * 0.92) - 2 * GiB - helper
+    assert got["pipeline"] > got["offload"] > got["balanced"] >= 30
