@@ -52,14 +52,12 @@ class Connection:
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the regions
-        total = sum(n * k for n, k in self.shapes)
+        offsets = manifest["offsets"]
+        total = max(off + n * k for off, (n, k) in zip(offsets, self.shapes))
         if total * dtype.itemsize > wbytes:
             raise ValueError(f"weights region has {wbytes} bytes, the shapes need {total * dtype.itemsize}")
         flat = torch.frombuffer(self.wmap, dtype=dtype, count=total)
-        self.weights, off = [], 0
-        for n, k in self.shapes:
-            self.weights.append(flat[off:off + n * k].view(n, k))
-            off += n * k
+        self.weights = [flat[off:off + n * k].view(n, k) for off, (n, k) in zip(offsets, self.shapes)]
         io = torch.frombuffer(self.io_map, dtype=dtype, count=io_bytes // dtype.itemsize)
         self.max_rows = manifest["max_rows"]
         nx, _ = io_layout(self.max_rows, self.shapes)

@@ -105,21 +105,28 @@ class SplitClient:
                     next_note += 30
                 time.sleep(0.5)
 
-    def publish(self, layers: list[torch.nn.Module], max_rows: int) -> str:
-        """Move every layer's weight into one shared region (its private copy is freed layer by layer, so
-        host memory never holds both), hand the region to the helper and map the io region."""
+    def publish(self, layers: list[torch.nn.Module], max_rows: int, placed: Placed | None = None) -> str:
+        """Hand the helper every layer's weight in one shared region and map the io region. Weights that
+        were loaded into `placed` (place_weights) stay where they are; otherwise each is moved into a new
+        region (its private copy freed layer by layer, so host memory never holds both)."""
         shapes = [tuple(layer.weight.shape) for layer in layers]
         dtype, elem = layers[0].weight.dtype, layers[0].weight.element_size()
-        total = sum(n * k for n, k in shapes)
-        self.region = hostmem.allocate(f"hybrid-weights-{os.getpid()}", total * elem)
-        flat = torch.frombuffer(self.region.map, dtype=dtype, count=total)
-        self.weights, off = [], 0
-        for layer, (n, k) in zip(layers, shapes):
-            view = flat[off:off + n * k].view(n, k)
-            view.copy_(layer.weight.data)
-            layer.weight.data = view  # the last reference to the private copy: freed here
-            self.weights.append(view)
-            off += n * k
+        offsets = placed.offsets([layer.weight for layer in layers]) if placed else None
+        self.in_place = offsets is not None
+        if offsets is not None:
+            self.region = placed.region
+        else:
+            total = sum(n * k for n, k in shapes)
+            self.region = hostmem.allocate(f"hybrid-weights-{os.getpid()}", total * elem)
+            flat = torch.frombuffer(self.region.map, dtype=dtype, count=total)
+            offsets, off = [], 0
+            for layer, (n, k) in zip(layers, shapes):
+                view = flat[off:off + n * k].view(n, k)
+                view.copy_(layer.weight.data)
+                layer.weight.data = view  # the last reference to the private copy: freed here
+                offsets.append(off)
+                off += n * k
+        self.weights = [layer.weight.data for layer in layers]
         self.shapes, self.dtype, self.elem, self.max_rows = shapes, dtype, elem, max_rows
         nx, ny = io_layout(max_rows, shapes)
         self.io = hostmem.allocate(f"hybrid-io-{os.getpid()}", (nx + ny) * elem, pages="shmem")
@@ -128,7 +135,7 @@ class SplitClient:
         # the helper prefetches each weight's decode share before the first call
         decode = [gpu_rows(1, n, k, elem, self.rates, self.share) for n, k in shapes]
         send_msg(self.sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": max_rows, "shapes": shapes,
-                             "prefetch_rows": decode}, fds=[self.region.fd, self.io.fd])
+                             "offsets": offsets, "prefetch_rows": decode}, fds=[self.region.fd, self.io.fd])
         answer = recv_msg(self.sock)
         if not answer.get("ok"):
             raise RuntimeError(f"GEMM helper at {self.path} refused the weights: {answer.get('error')}")
@@ -178,7 +185,48 @@ class SplitClient:
             self.spent = [0.0, 0.0, 0]
 
 
+class Placed:
+    """A shared region that weights were loaded into (place_weights): the one copy from the start."""
+
+    def __init__(self, region: hostmem.Region, flat: torch.Tensor):
+        self.region, self.flat = region, flat
+
+    def offsets(self, weights: list[torch.Tensor]) -> list[int] | None:
+        """Each weight's element offset in the region; None unless every one lies inside it, contiguous."""
+        base, end, out = self.flat.data_ptr(), self.flat.data_ptr() + self.flat.numel() * self.flat.element_size(), []
+        for w in weights:
+            if w.dtype != self.flat.dtype or not w.is_contiguous() or not base <= w.data_ptr() < end:
+                return None
+            out.append((w.data_ptr() - base) // w.element_size())
+        return out
+
+
+def place_weights(model: torch.nn.Module, linear_types: tuple[type, ...]) -> Placed | None:
+    """Before the weights are loaded: the 2-D weights of the model's linear layers (the ones split with
+    the helper) become views of one shared region, so the loader writes the one copy in place and host
+    memory never holds a private copy as well (which huge pages, reserved up front, would double)."""
+    params, seen = [], set()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, linear_types) and isinstance(w, torch.Tensor) and w.ndim == 2 and not w.is_meta \
+                and id(w) not in seen:
+            seen.add(id(w))
+            params.append(w)
+    params = [p for p in params if p.dtype == params[0].dtype] if params else []
+    if not params:
+        return None
+    total = sum(p.numel() for p in params)
+    region = hostmem.allocate(f"hybrid-weights-{os.getpid()}", total * params[0].element_size())
+    flat = torch.frombuffer(region.map, dtype=params[0].dtype, count=total)
+    off = 0
+    for p in params:
+        p.data = flat[off:off + p.numel()].view(p.shape)  # not loaded yet: nothing to copy
+        off += p.numel()
+    return Placed(region, flat)
+
+
 _CLIENT: SplitClient | None = None
+_PLACED: Placed | None = None
 LAYERS: list[torch.nn.Module] = []  # the stage's linear layers in load order, whose GEMMs are split
 
 
@@ -216,6 +264,12 @@ def connect_and_publish(max_rows: int, env=os.environ) -> str:
     share = float(env[SHARE_ENV]) if env.get(SHARE_ENV) else None
     client = SplitClient(env[SOCKET_ENV], Rates.decode(env.get(RATES_ENV)), share)
     client.connect(float(env.get("HYBRID_GEMM_CONNECT_TIMEOUT", "900")))
-    device = client.publish(LAYERS, max_rows)
+    device = client.publish(LAYERS, max_rows, _PLACED)
     _CLIENT = client
-    return f"{device}, weights {client.region.describe()}"
+    return f"{device}, weights {client.region.describe()}, " + ("loaded in place" if client.in_place else "moved")
+
+
+def place_model_weights(model: torch.nn.Module, linear_types: tuple[type, ...]) -> None:
+    """Called with the model built and its weights not yet loaded (patches.patch_split_gemm)."""
+    global _PLACED
+    _PLACED = place_weights(model, linear_types)

@@ -1,4 +1,5 @@
-"""One copy of a CPU stage's weights in host RAM, read by its CPU and streamed to a GPU (balanced).
+"""One copy of a CPU stage's weights in host RAM, read by its CPU and streamed to a GPU (balanced);
+the stage's loader writes the weights straight into it (gemm_split.place_weights).
 
 The region is a memfd: no name in /dev/shm (nothing to leak when a pod dies) and it can be handed to
 the GEMM helper in the GPU pod over their Unix socket (SCM_RIGHTS). It lives on 2 MiB pages when the

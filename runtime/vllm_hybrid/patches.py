@@ -299,10 +299,23 @@ def patch_split_gemm(layer_utils, cpu_model_runner) -> None:
     # which computes part of every product's rows on a GPU (the GEMM helper) at the same time.
     # vllm.v1.worker.cpu_model_runner.CPUModelRunner.load_model: once the model is loaded, the weights
     # go to the helper, before the warm-up traces the graph (it calls the split GEMMs).
+    # vllm.model_executor.model_loader.base_loader.initialize_model: the model is built with empty
+    # weights; the linear layers' weights are moved into the region shared with the helper before the
+    # loader fills them, so the one copy is loaded in place.
+    from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.model_loader import base_loader
 
     from . import gemm_split
     original_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    original_initialize = base_loader.initialize_model
+
+    @functools.wraps(original_initialize)
+    def initialize_model(*args, **kwargs):
+        model = original_initialize(*args, **kwargs)
+        gemm_split.place_model_weights(model, (LinearBase, ParallelLMHead))
+        return model
+
 
     @functools.wraps(original_dispatch)
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
@@ -324,7 +337,9 @@ def patch_split_gemm(layer_utils, cpu_model_runner) -> None:
 
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
     runner.load_model = load_model
-    APPLIED.append("dispatch_cpu_unquantized_gemm + CPUModelRunner.load_model(split GEMMs with the GPU)")
+    base_loader.initialize_model = initialize_model
+    APPLIED.append("dispatch_cpu_unquantized_gemm + CPUModelRunner.load_model + initialize_model"
+                   "(split GEMMs with the GPU, weights loaded into the shared region)")
 
 
 def patch_check_offloader(gpu_worker) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from vllm_hybrid import hostmem
-from vllm_hybrid.gemm_split import SplitClient
+from vllm_hybrid.gemm_split import SplitClient, place_weights
 from vllm_hybrid.strategy import ALIGN, Hardware, Rates, gpu_rows, split_pass_s, split_rates
 
 SHAPES = [(96, 64), (64, 96), (40, 64)]  # three layers; the last is narrower than three 16-row blocks
@@ -95,6 +95,30 @@ def test_the_stage_and_the_helper_share_one_copy_of_the_weights(helper):
     weights[1][:100].mul_(2)
     gpu_rows_only = client.linear(x, 1)[:, :100]
     torch.testing.assert_close(gpu_rows_only, F.linear(x, weights[1][:100]), rtol=1e-4, atol=1e-4)
+
+
+def test_weights_loaded_into_the_region_are_handed_over_in_place(helper):
+    path, _ = helper
+    torch.manual_seed(2)
+    layers = linears([(3072, 4096)] * 3)
+    model = torch.nn.Sequential(*layers, torch.nn.LayerNorm(4096))  # the norm's 1-D weight stays private
+    placed = place_weights(model, (torch.nn.Linear,))
+    assert placed.region.map.size() >= 3 * 3072 * 4096 * 4
+    weights = [torch.randn(3072, 4096) for _ in layers]
+    anon = rss_kb("RssAnon")
+    for layer, w in zip(layers, weights):
+        layer.weight.data.copy_(w)  # what vLLM's loaders do: write the parameter in place
+    client = SplitClient(path, Rates(), 0.5)
+    client.connect(timeout=30)
+    client.publish(layers, 32, placed)
+    assert client.in_place and client.region is placed.region
+    assert rss_kb("RssAnon") - anon < 0.1 * 3 * 48 * 1024  # no private copy was ever made
+    for i, w in enumerate(weights):
+        x = torch.randn(3, 4096)
+        torch.testing.assert_close(client.linear(x, i), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    # a weight outside the region (a loader that replaced it) makes publish move them all
+    layers[1].weight.data = weights[1].clone()
+    assert placed.offsets([layer.weight for layer in layers]) is None
 
 
 @pytest.fixture

@@ -96,6 +96,7 @@ def test_split_gemms_match_single_process(tiny_llama, reference_ids, tmp_path):
         helper.wait(10)
     for log in logs:  # stage 0: 1 layer (4 GEMMs); stage 1: 3 layers and the LM head
         assert "GEMMs of" in log and "split with the GEMM helper on cpu" in log
+        assert "loaded in place" in log  # the loader wrote the weights straight into the shared region
     assert "GEMMs of 4 linear layers" in logs[0] and "GEMMs of 13 linear layers" in logs[1]
     assert (tmp_path / "helper.log").read_text().count("serving") == 2
     assert alone == reference_ids
