@@ -11,6 +11,9 @@ Each concurrency gets a short warm-up wave (same shapes, 4 tokens), then the mea
 128-token prompts x 128 output tokens; TTFT at 1k/4k prompt tokens; per-stage forward time per
 step from the stages' hybrid_stage_* metrics; the box's DRAM read bandwidth. CPU stages run with
 the GEMM kernel and thread placement bench/cpu_kernels.py found fastest (its JSON in $HYBRID_BENCH_OUT).
+Larger than the GPU (p-*): HYBRID_BENCH_MODEL=llama-3.1-70b or mixtral-8x7b, split by the planner from
+the box's GPU and host memory for each strategy (p-pipeline, p-offload, p-balanced, p-auto), against
+vLLM's prefetch offloader streaming as many layers (p-prefetch-plain).
 Usage (see bench/run.sh): python bench/gpu_bench.py CONFIG [CONFIG...]
 """
 import contextlib
@@ -26,14 +29,17 @@ from pathlib import Path
 from vllm_hybrid.cpubind import parse_cpulist
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model
+from vllm_hybrid.tinymodel import LLAMA_3_1_8B, LLAMA_3_1_70B, MIXTRAL_8X7B, make_shaped_model
 
 OUT = Path(os.environ.get("HYBRID_BENCH_OUT", "bench/results"))
 GPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_GPU_PYTHONPATH", ""), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 CPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_CPU_PYTHONPATH", ""), "HYBRID_SYSTEM_MEMORY_CHECK": "1"}
 CONCURRENCY = [int(c) for c in os.environ.get("HYBRID_BENCH_CONCURRENCY", "1,4,16,64").split(",")]
 SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64, max_num_batched_tokens=4096)
-VOCAB = LLAMA_3_1_8B["vocab_size"]
+# HYBRID_BENCH_MODEL: the shape served (the p-* configurations plan its split from the box's memories)
+MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral-8x7b": MIXTRAL_8X7B}
+MODEL = os.environ.get("HYBRID_BENCH_MODEL", "llama-3.1-8b")
+VOCAB = MODELS[MODEL]["vocab_size"]
 OFFLOAD_GIB = 6.5  # = decoder layers 16-31 of the 8B shape in bf16 (16 x 0.406 GiB)
 
 
@@ -194,13 +200,16 @@ def run_plain(model, extra, env):
 
 
 def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str | None = None,
-                 plan_extra: dict | None = None, **env):
+                 plan_extra: dict | None = None, stages: list[dict] | None = None, **env):
     tuning = cpu_tuning()
     tuning["env"].update(env)
     gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
     cpu = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": len(parse_cpulist(tuning["env"]["HYBRID_CPUS"])),
            "memory": "24Gi"}
-    stages = [gpu, cpu] if gpu_first else [cpu, gpu]
+    if stages:  # given (p-*): one cpu and one gpu stage
+        cpu, gpu = (next(s for s in stages if s["device"] == d) for d in ("cpu", "gpu"))
+    else:
+        stages = [gpu, cpu] if gpu_first else [cpu, gpu]
     plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
             "strategy": strategy, "stages": stages, **SHAPE, **local_ports(), **(plan_extra or {})}
     cpu_cores = set(parse_cpulist(tuning["env"]["HYBRID_CPUS"]))
@@ -213,7 +222,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
             for s in stages]
     work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
     with LocalPipeline(plan, work, envs) as pipe:
-        ready = pipe.wait_ready(timeout=600)
+        ready = pipe.wait_ready(timeout=int(os.environ.get("HYBRID_BENCH_READY_TIMEOUT", "600")))
         out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
                             for i in range(len(stages))]}
@@ -225,13 +234,51 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
                             or "Memory profiling" in line or "cpu_kvcache_space" in line.lower()]
         if strategy == "offload":
             wanted = "UVAOffloader" if plan.get("offload_backend") == "uva" else "PrefetchOffloader"
-            out["offload_verified"] = f"Offloader set to {wanted}" in pipe.log(0)
+            out["offload_verified"] = f"Offloader set to {wanted}" in pipe.log(stages.index(gpu))
         return out
 
 
 def huge_run(gib, run, *args):
     with huge_pages(gib) as pages:
         return {"huge_pages_reserved": pages, **run(*args)}
+
+
+def box_memory() -> tuple[int, int]:
+    """(MiB of the GPU, MiB of host RAM) of this machine."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]), meminfo()["MemTotal"] >> 20
+
+
+def planned_stages(gpu_mib: int, host_mib: int, cpus: int, gpu_first: bool = False) -> list[dict]:
+    """A CPU and a GPU stage without layer counts: the planner splits by the two memories. The CPU stage
+    gets the host RAM less 16 GiB for the GPU stage's processes and the OS."""
+    stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
+              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{gpu_mib}Mi"}]
+    return stages[::-1] if gpu_first else stages
+
+
+def run_planned(model, strategy: str, **env):
+    """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU)."""
+    gpu_mib, host_mib = box_memory()
+    gpu_first = strategy == "offload"  # offload serves from its GPU stage: it must be stage 0
+    stages = planned_stages(gpu_mib, host_mib, len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"])), gpu_first)
+    return run_pipeline(model, gpu_first, strategy, f"planned-{strategy}", stages=stages, **env)
+
+
+def run_planned_prefetch_plain(model):
+    """vLLM's prefetch offloader on plain `vllm serve`, streaming as many layers as p-offload's split."""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategy import prefetch_groups, resolve_split
+    gpu_mib, host_mib = box_memory()
+    shape = model_shape(MODELS[MODEL])
+    plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": "offload", **SHAPE,
+                           "stages": planned_stages(gpu_mib, host_mib, 14, gpu_first=True)})
+    split, lay, _ = resolve_split(plan, shape)
+    group, in_group = prefetch_groups(shape.num_layers, round(lay.offload_bytes[0] / shape.layer_bytes))
+    return run_plain(model, [f"--offload-group-size={group}", f"--offload-num-in-group={in_group}",
+                             "--offload-prefetch-step=1"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"})
 
 
 CONFIGS = {
@@ -250,6 +297,12 @@ CONFIGS = {
     "d-balanced-gpu-first": lambda m: run_pipeline(m, True, "balanced"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
+    # HYBRID_BENCH_MODEL larger than the GPU, split by the planner from the box's GPU and host memory
+    "p-pipeline": lambda m: run_planned(m, "pipeline"),
+    "p-offload": lambda m: run_planned(m, "offload"),
+    "p-balanced": lambda m: run_planned(m, "balanced"),  # 4 KiB pages: huge pages for 80 GB need a node set up for them
+    "p-auto": lambda m: run_planned(m, "auto"),
+    "p-prefetch-plain": run_planned_prefetch_plain,
 }
 
 
@@ -258,7 +311,7 @@ def main(names):
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         sys.exit(f"unknown configuration {unknown}; known: {list(CONFIGS)}")
-    model = make_shaped_model(OUT / "model-llama-3.1-8b-shape", LLAMA_3_1_8B)
+    model = make_shaped_model(OUT / f"model-{MODEL}-shape", MODELS[MODEL])
     results_path = OUT / "gpu_bench.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results.setdefault("dram_read_gbs", dram_read_gbs())
