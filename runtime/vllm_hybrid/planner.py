@@ -162,7 +162,9 @@ class Split:
         for sp in self.stages:
             rows.append(f"stage {sp.index} {sp.stage.name} ({sp.stage.device}, tp={sp.stage.tensor_parallel}): "
                         f"layers {sp.layer_range} ({sp.layers}); weights {sp.weight_bytes / GiB:.2f} GiB + "
-                        f"KV {sp.kv_bytes / GiB:.2f} GiB ({sp.kv_tokens} tokens) of budget {sp.budget_bytes / GiB:.2f} GiB")
+                        f"KV {sp.kv_bytes / GiB:.2f} GiB ({sp.kv_tokens} tokens) of budget {sp.budget_bytes / GiB:.2f} GiB"
+                        + (f"; GEMM helper {sp.beside_vllm_bytes / GiB:.2f} GiB beside vLLM, which gets "
+                           f"gpu_memory_utilization {sp.gpu_memory_utilization}" if sp.beside_vllm_bytes else ""))
         rows.append(f"VLLM_PP_LAYER_PARTITION={self.partition}")
         return "\n".join(rows)
 
