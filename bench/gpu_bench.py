@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from vllm_hybrid import hostmem
 from vllm_hybrid.cpubind import parse_cpulist
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
@@ -95,18 +96,6 @@ class Peaks:
         gb = lambda b: round(b / 1e9, 2)  # noqa: E731
         return {"peak_host_gb": gb(self.host), "peak_shmem_gb": gb(self.shmem), "peak_hugetlb_gb": gb(self.huge),
                 "peak_gpu_gb": gb(self.gpu)}
-
-
-@contextlib.contextmanager
-def huge_pages(gib: float):
-    """Reserve 2 MiB pages for a CPU stage's weight region (as a node does for hugepages-2Mi)."""
-    knob = Path("/proc/sys/vm/nr_hugepages")
-    before = int(knob.read_text())
-    knob.write_text(str(before + int(gib * 512)))
-    try:
-        yield int(knob.read_text()) - before
-    finally:
-        knob.write_text(str(before))
 
 
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
@@ -239,7 +228,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
 
 
 def huge_run(gib, run, *args):
-    with huge_pages(gib) as pages:
+    with hostmem.reserved_huge_pages(int(gib * 512)) as pages:  # for the CPU stage's weight region
         return {"huge_pages_reserved": pages, **run(*args)}
 
 

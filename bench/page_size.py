@@ -10,6 +10,7 @@ and timed: one CPU pass of F.linear over every weight at M rows (all threads), a
 the registration and the host-to-GPU copy bandwidth of the region.
 Usage: python bench/page_size.py OUT.json   (root: reserves and then returns the huge pages)
 """
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +23,6 @@ from vllm_hybrid import hostmem
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 16))
 MS = [int(m) for m in os.environ.get("HYBRID_BENCH_MS", "1,4,16,64").split(",")]
-KNOB = "/proc/sys/vm/nr_hugepages"
 
 
 def layout(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -68,17 +68,6 @@ def gpu_figures(flat: torch.Tensor) -> dict:
     return {"register_rc": rc, "register_s": round(reg_s, 2), "h2d_gbs": round(gbs, 1)}
 
 
-def reserve_huge_pages(nbytes: int) -> int | None:
-    try:
-        before = int(open(KNOB).read())
-        with open(KNOB, "w") as f:
-            f.write(str(before + nbytes // hostmem.HUGE_PAGE + 8))
-        return before
-    except OSError as e:
-        print(f"no huge pages reserved ({e})", flush=True)
-        return None
-
-
 def measure(kind: str, total: int, dtype: torch.dtype) -> dict:
     elem = torch.tensor([], dtype=dtype).element_size()
     region = None
@@ -104,14 +93,13 @@ def main(path: str) -> None:
     dtype = torch.bfloat16
     total = LAYERS * sum(n * k for n, k in SHAPES)
     result = {"threads": torch.get_num_threads(), "weights_gb": round(total * 2 / 1e9, 2), "placements": {}}
-    before = reserve_huge_pages(total * 2)
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(hostmem.reserved_huge_pages(total * 2 // hostmem.HUGE_PAGE + 8))
+        except OSError as e:
+            print(f"no huge pages reserved ({e})", flush=True)
         for kind in ("private", "shmem", "hugetlb"):
             result["placements"][kind] = measure(kind, total, dtype)
-    finally:
-        if before is not None:
-            with open(KNOB, "w") as f:
-                f.write(str(before))
     base = result["placements"]["private"]["cpu_pass_ms"]
     result["slowdown_vs_private"] = {kind: {m: round(p["cpu_pass_ms"][m] / base[m], 2) for m in MS}
                                      for kind, p in result["placements"].items() if "cpu_pass_ms" in p}

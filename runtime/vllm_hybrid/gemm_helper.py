@@ -24,9 +24,9 @@ import torch
 
 from . import hostmem
 from .gemm_split import REPLY, REQUEST, io_layout, recv_exact, recv_msg, send_msg
+from .planner import HELPER_RING as RING  # the planner leaves the GPU memory for it
 
 log = logging.getLogger("vllm_hybrid.gemm_helper")
-RING = int(os.environ.get("HYBRID_GEMM_RING", "8"))  # weights in flight: about two decoder layers ahead
 
 
 class _HostView:

@@ -6,8 +6,9 @@ helper (gemm_helper.py, run by a GPU stage's launcher in the GPU pod) streams ro
 weights to the GPU and computes them there. n0 follows the batch: at decode both
 links share the bytes, in prefill (thousands of rows) the GPU takes nearly everything.
 
-One copy of the weights: the stage moves its weights into a memfd (hostmem.py, 2 MiB pages where the
-pod has them) that the CPU computes from and the helper maps and registers with CUDA to stream from.
+One copy of the weights: the stage's loader writes them into a memfd (place_weights; hostmem.py, 2 MiB
+pages where the pod has them) that the CPU computes from and the helper maps and registers with CUDA
+to stream from.
 
 Protocol (one Unix-socket connection per CPU worker; the socket sits in the replica's shared /dev/shm):
   setup   client -> helper: JSON manifest (shapes, dtype, max rows) with two file descriptors
@@ -259,7 +260,7 @@ def enabled(env=os.environ) -> bool:
 
 
 def connect_and_publish(max_rows: int, env=os.environ) -> str:
-    """After the model is loaded: move every registered layer's weight into the region shared with the helper."""
+    """After the model is loaded: hand every registered layer's weight to the helper in the shared region."""
     global _CLIENT
     share = float(env[SHARE_ENV]) if env.get(SHARE_ENV) else None
     client = SplitClient(env[SOCKET_ENV], Rates.decode(env.get(RATES_ENV)), share)

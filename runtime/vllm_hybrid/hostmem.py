@@ -9,6 +9,7 @@ much), so the page size is reported.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -87,8 +88,7 @@ def allocate(name: str, nbytes: int, pages: str | None = None) -> Region:
     if pages not in ("huge", "shmem"):
         raise ValueError(f"{PAGES_ENV}={pages!r}: use huge or shmem")
     region = _hugetlb(name, nbytes) if pages == "huge" else None
-    limit = pod_huge_page_limit()
-    if region is None and pages == "huge" and limit:
+    if region is None and pages == "huge" and (limit := pod_huge_page_limit()):
         # the pod was given huge pages (and less memory for them): shmem now would overrun its memory limit
         raise RuntimeError(f"weights need {round_up(nbytes, HUGE_PAGE) >> 20} MiB of 2 MiB pages, but the "
                            f"pod's hugepages-2Mi limit is {limit >> 20} MiB or the node has too few free: "
@@ -117,6 +117,25 @@ def backing_page_size(region: Region) -> int:
 def _address(m: mmap.mmap) -> int:
     import ctypes
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+
+
+@contextlib.contextmanager
+def reserved_huge_pages(count: int):
+    """Reserve `count` more 2 MiB pages on this host for the block, as a node does for Kubernetes'
+    hugepages-2Mi, then give them back (root; bench and tests). Yields how many the kernel granted."""
+    with open(NR_HUGEPAGES) as f:
+        before = int(f.read())
+    with open(NR_HUGEPAGES, "w") as f:
+        f.write(str(before + count))
+    try:
+        with open(NR_HUGEPAGES) as f:
+            yield int(f.read()) - before
+    finally:
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(before))
 
 
 def open_fd(fd: int) -> tuple[mmap.mmap, int]:

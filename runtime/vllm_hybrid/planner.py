@@ -30,8 +30,10 @@ CPU_RUNTIME_RESERVE = 3 * GiB
 # offload: vLLM's prefetch offloader keeps static GPU buffers for prefetch_step (1) streamed layer
 # (vllm/model_executor/offloader/prefetch.py, StaticBufferPool slot_capacity)
 PREFETCH_BUFFER_LAYERS = 1
-# balanced: the GEMM helper's weight ring per CPU worker (gemm_helper.RING, HYBRID_GEMM_RING) + its miss buffer
-HELPER_RING_SLOTS = int(os.environ.get("HYBRID_GEMM_RING", "8")) + 1
+# balanced: weights in flight in the GEMM helper's ring per CPU worker (about two decoder layers ahead),
+# and with its miss buffer the device buffers it holds
+HELPER_RING = int(os.environ.get("HYBRID_GEMM_RING", "8"))
+HELPER_RING_SLOTS = HELPER_RING + 1
 HELPER_CONTEXT = GiB // 2  # its CUDA context and kernels
 
 
@@ -239,9 +241,10 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
         budgets = [stage_budget(s, gpu_memory_bytes) - beside[i] for i, s in enumerate(plan.stages)]
         capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // per_layer) for i, b in enumerate(budgets)]
         if strategy == "offload" and gpus and len(gpus) < n:
-            for g in gpus:  # its own layers' weights, every layer it may serve's KV, both ends, one buffer
-                reserved = (2 * shape.embedding_bytes + (total - len(gpus) + 1) * min_kv_per_layer
-                            + PREFETCH_BUFFER_LAYERS * shape.layer_bytes)
+            # beside its own layers' weights: every layer it may serve's KV, both ends, one prefetch buffer
+            reserved = (2 * shape.embedding_bytes + (total - len(gpus) + 1) * min_kv_per_layer
+                        + PREFETCH_BUFFER_LAYERS * shape.layer_bytes)
+            for g in gpus:
                 capacity[g] = max(0, (budgets[g] - reserved) // shape.layer_bytes)
         counts = _assign(plan.stages, capacity, total)
     stages = []

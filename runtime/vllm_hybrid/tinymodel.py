@@ -98,15 +98,6 @@ MIXTRAL_8X7B = {
     "hidden_act": "silu", "tie_word_embeddings": False, "router_aux_loss_coef": 0.02,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
-LLAMA_3_1_70B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
-    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
-}
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -116,3 +107,6 @@ LLAMA_3_1_8B = {
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
 }
+# the same architecture, wider and deeper
+LLAMA_3_1_70B = {**LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                 "num_attention_heads": 64}

