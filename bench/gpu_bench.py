@@ -36,6 +36,11 @@ OUT = Path(os.environ.get("HYBRID_BENCH_OUT", "bench/results"))
 GPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_GPU_PYTHONPATH", ""), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 CPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_CPU_PYTHONPATH", ""), "HYBRID_SYSTEM_MEMORY_CHECK": "1"}
 CONCURRENCY = [int(c) for c in os.environ.get("HYBRID_BENCH_CONCURRENCY", "1,4,16,64").split(",")]
+# prompt and output tokens of the measured waves, prompt lengths timed to first token (a 70B shape's
+# CPU stage takes about a second a step: its runs use shorter waves and read decode speed off TPOT)
+PROMPT_TOKENS = int(os.environ.get("HYBRID_BENCH_PROMPT_TOKENS", "128"))
+OUTPUT_TOKENS = int(os.environ.get("HYBRID_BENCH_OUTPUT_TOKENS", "128"))
+TTFT_TOKENS = [int(n) for n in os.environ.get("HYBRID_BENCH_TTFT", "1024,4096").split(",")]
 SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64, max_num_batched_tokens=4096)
 # HYBRID_BENCH_MODEL: the shape served (the p-* configurations plan its split from the box's memories)
 MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral-8x7b": MIXTRAL_8X7B}
@@ -116,16 +121,18 @@ def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
 def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
     waves = []
     for c in CONCURRENCY:
-        wave(url, model, token_prompts(c, 128, VOCAB, seed=1000 * c + 1), 4)  # warm-up: this batch size's shapes
+        wave(url, model, token_prompts(c, PROMPT_TOKENS, VOCAB, seed=1000 * c + 1), 4)  # warm-up: this batch's shapes
         before = forward_totals(metrics_urls)
-        w = wave(url, model, token_prompts(c, 128, VOCAB, seed=1000 * c), 128)
+        w = wave(url, model, token_prompts(c, PROMPT_TOKENS, VOCAB, seed=1000 * c), OUTPUT_TOKENS)
         after = forward_totals(metrics_urls)
+        # decode speed of the batch: what a long wave's tokens/s tends to, without its prefill
+        w["decode_tok_per_s"] = round(c * 1000 / w["tpot_ms"], 2) if w.get("tpot_ms") else None
         # mean forward time per step on each stage during the wave (prefill steps included)
         w["stage_forward_ms"] = [round(1000 * (a[0] - b[0]) / (a[1] - b[1]), 2) if a[1] > b[1] else None
                                  for a, b in zip(after, before)]
         waves.append(w)
         print(json.dumps(w), flush=True)
-    ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in (1024, 4096)}
+    ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in TTFT_TOKENS}
     return {"waves": waves, "ttft_s": ttft}
 
 
@@ -233,10 +240,34 @@ def huge_run(gib, run, *args):
 
 
 def box_memory() -> tuple[int, int]:
-    """(MiB of the GPU, MiB of host RAM) of this machine."""
+    """(MiB of the GPU, MiB of host RAM) of this machine; HYBRID_BENCH_HOST_MIB where MemTotal is not
+    the RAM a process can have (a VM whose memory grows as it is touched)."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]), meminfo()["MemTotal"] >> 20
+    return int(out.split()[0]), int(os.environ.get("HYBRID_BENCH_HOST_MIB") or meminfo()["MemTotal"] >> 20)
+
+
+def planned_splits() -> dict:
+    """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
+    memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategy import resolve_split
+    gpu_mib, host_mib = box_memory()
+    cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
+    shape, out = model_shape(MODELS[MODEL]), {"gpu_mib": gpu_mib, "host_mib": host_mib}
+    for strategy in ("pipeline", "offload", "balanced", "auto"):
+        for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
+            plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": strategy, **SHAPE,
+                                   "expected_concurrency": c, "expected_prompt_tokens": PROMPT_TOKENS,
+                                   "expected_output_tokens": OUTPUT_TOKENS,
+                                   "stages": planned_stages(gpu_mib, host_mib, cpus, strategy == "offload")})
+            split, lay, estimates = resolve_split(plan, shape)
+            out[strategy if strategy != "auto" else f"auto@{c}"] = {
+                "runs": lay.strategy, "layers": {s.stage.name: s.layers for s in split.stages},
+                "helper_gib": round(sum(s.beside_vllm_bytes for s in split.stages) / (1 << 30), 2),
+                "predicted_tok_s": estimates, "describe": split.describe()}
+    return out
 
 
 def planned_stages(gpu_mib: int, host_mib: int, cpus: int, gpu_first: bool = False) -> list[dict]:
@@ -304,6 +335,8 @@ def main(names):
     results_path = OUT / "gpu_bench.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results.setdefault("dram_read_gbs", dram_read_gbs())
+    if any(n.startswith("p-") for n in names):
+        results["planned"] = {"model": MODEL, **planned_splits()}
     for name in names:
         t0 = time.monotonic()
         peaks = Peaks()

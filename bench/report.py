@@ -40,9 +40,48 @@ def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
             f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
 
 
+PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-auto", "p-prefetch-plain")
+
+
+def planned_table(r: dict) -> str:
+    """p-*: the model larger than the GPU, one column per configuration; decode tokens/s from TPOT
+    (short waves), the planner's split and what auto picks against the best measured."""
+    configs = [k for k in PLANNED if "waves" in r.get(k, {})]
+    failed = [f"- {k}: {r[k]['error']}" for k in PLANNED if "error" in r.get(k, {})]
+    plans = r.get("planned", {})
+    rows = [f"{plans.get('model')} on {plans.get('gpu_mib')} MiB GPU + {plans.get('host_mib')} MiB host\n",
+            "| | " + " | ".join(configs) + " | auto picks | auto / best |", "|---" * (len(configs) + 3) + "|"]
+    # the strategy each configuration ran (the prefetch offloader streams offload's split)
+    runs = {k: "offload" if k == "p-prefetch-plain" else plans.get(k[2:], {}).get("runs", k[2:]) for k in configs}
+    for i, w in enumerate(r[configs[0]]["waves"] if configs else []):
+        c = w["concurrency"]
+        speed = {k: r[k]["waves"][i]["decode_tok_per_s"] for k in configs}
+        pick = plans.get(f"auto@{c}", {}).get("runs")
+        measured = [k for k in configs if k != "p-prefetch-plain" and runs[k] == pick]
+        best = max((v for k, v in speed.items() if k != "p-prefetch-plain" and v), default=None)
+        auto = f"{speed[measured[0]] / best:.2f}x" if measured and best and speed[measured[0]] else "not measured"
+        rows.append(f"| decode tok/s, concurrency {c} | " + " | ".join(str(v) for v in speed.values())
+                    + f" | {pick} | {auto} |")
+        rows.append(f"| wave tok/s, {c} x {w['output_tokens'] // max(1, c)} tokens | "
+                    + " | ".join(str(r[k]["waves"][i]["tok_per_s"]) for k in configs) + " | | |")
+    for n in (configs and r[configs[0]]["ttft_s"]) or ():
+        rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | | |")
+    for field, label in (("ready_s", "ready (s)"), ("peak_host_gb", "peak host memory, GB"),
+                         ("peak_shmem_gb", "peak shared memory, GB"), ("peak_gpu_gb", "peak GPU memory, GB")):
+        rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | |")
+    rows.append("| layers (planner) | " + " | ".join(
+        " + ".join(f"{n} {v}" for n, v in plans.get(runs[k], {}).get("layers", {}).items()) or "-" for k in configs) + " | | |")
+    return "\n".join(rows + [""] + failed) + "\n"
+
+
 def main(path="bench/results/gpu_bench.json"):
     path = Path(path)
     r = json.loads(path.read_text())
+    if any(k in r for k in PLANNED):
+        md = planned_table(r)
+        path.with_suffix(".md").write_text(md)
+        print(md)
+        return
     dram = r.get("dram_read_gbs")
     configs = [k for k in ORDER if "waves" in r.get(k, {})]
     conc = [w["concurrency"] for w in r[configs[0]]["waves"]]
