@@ -73,12 +73,32 @@ def host_used_bytes() -> tuple[int, int, int]:
     return m["MemTotal"] - m["MemAvailable"] - free_huge, m["Shmem"], m["Hugetlb"] - free_huge
 
 
+def session_rss() -> dict[int, tuple[int, int]]:
+    """(RssAnon, RssShmem) bytes summed over the processes of each session: every stage and plain server
+    starts a session of its own, so this is one pod's private and shared memory as its cgroup would see."""
+    out: dict[int, tuple[int, int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            sid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+            f = {l.split(":")[0]: int(l.split()[1]) << 10 for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                 if l.startswith(("RssAnon", "RssShmem"))}
+            anon, shmem = out.get(sid, (0, 0))
+            out[sid] = (anon + f.get("RssAnon", 0), shmem + f.get("RssShmem", 0))
+    return out
+
+
+SESSIONS: list[int] = []  # the session ids (= leader pids) of the running configuration's stages, in order
+
+
 class Peaks:
-    """Peak host memory (above the baseline at start) and GPU memory while a configuration runs."""
+    """Peak host memory (above the baseline at start), per stage (its processes' RssAnon and RssShmem)
+    and GPU memory while a configuration runs."""
 
     def __init__(self, every_s: float = 0.5):
         self.base, self.every_s = host_used_bytes()[0], every_s
         self.host = self.shmem = self.huge = self.gpu = 0
+        self.sessions: dict[int, tuple[int, int]] = {}
+        SESSIONS.clear()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -88,6 +108,10 @@ class Peaks:
         while not self.stop.wait(self.every_s):
             used, shmem, huge = host_used_bytes()
             self.host, self.shmem, self.huge = max(self.host, used - self.base), max(self.shmem, shmem), max(self.huge, huge)
+            for sid, (anon, shared) in session_rss().items():
+                if sid in SESSIONS:
+                    old = self.sessions.get(sid, (0, 0))
+                    self.sessions[sid] = (max(old[0], anon), max(old[1], shared))
             ticks += 1
             if ticks % 4 == 0:  # nvidia-smi every 2 s
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
@@ -99,8 +123,10 @@ class Peaks:
         self.stop.set()
         self.thread.join()
         gb = lambda b: round(b / 1e9, 2)  # noqa: E731
+        stages = [self.sessions.get(sid, (0, 0)) for sid in SESSIONS]
         return {"peak_host_gb": gb(self.host), "peak_shmem_gb": gb(self.shmem), "peak_hugetlb_gb": gb(self.huge),
-                "peak_gpu_gb": gb(self.gpu)}
+                "peak_gpu_gb": gb(self.gpu),
+                "stage_peak_rss_gb": [{"anon": gb(a), "shmem": gb(sh)} for a, sh in stages]}
 
 
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
@@ -167,7 +193,9 @@ class PlainVllm:
                 "--load-format", "dummy", "--dtype", "bfloat16", "--port", str(self.port),
                 "--gpu-memory-utilization", "0.85", *[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()], *extra]
         self.log = open(OUT / f"plain-{self.port}.log", "wb")
-        self.proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        SESSIONS.append(self.proc.pid)
 
     def wait_ready(self, timeout=600):
         t0 = time.monotonic()
@@ -218,6 +246,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
             for s in stages]
     work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
     with LocalPipeline(plan, work, envs) as pipe:
+        SESSIONS.extend(p.pid for p in pipe.procs)
         ready = pipe.wait_ready(timeout=int(os.environ.get("HYBRID_BENCH_READY_TIMEOUT", "600")))
         out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
