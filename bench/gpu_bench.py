@@ -41,7 +41,9 @@ CONCURRENCY = [int(c) for c in os.environ.get("HYBRID_BENCH_CONCURRENCY", "1,4,1
 PROMPT_TOKENS = int(os.environ.get("HYBRID_BENCH_PROMPT_TOKENS", "128"))
 OUTPUT_TOKENS = int(os.environ.get("HYBRID_BENCH_OUTPUT_TOKENS", "128"))
 TTFT_TOKENS = [int(n) for n in os.environ.get("HYBRID_BENCH_TTFT", "1024,4096").split(",")]
-SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64, max_num_batched_tokens=4096)
+# a 70B shape on a CPU stage: vLLM warms up on one full batch of tokens (4096: about 100 s of CPU work)
+SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64,
+             max_num_batched_tokens=int(os.environ.get("HYBRID_BENCH_BATCHED_TOKENS", "4096")))
 # HYBRID_BENCH_MODEL: the shape served (the p-* configurations plan its split from the box's memories)
 MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral-8x7b": MIXTRAL_8X7B}
 MODEL = os.environ.get("HYBRID_BENCH_MODEL", "llama-3.1-8b")
@@ -73,32 +75,42 @@ def host_used_bytes() -> tuple[int, int, int]:
     return m["MemTotal"] - m["MemAvailable"] - free_huge, m["Shmem"], m["Hugetlb"] - free_huge
 
 
-def session_rss() -> dict[int, tuple[int, int]]:
-    """(RssAnon, RssShmem) bytes summed over the processes of each session: every stage and plain server
-    starts a session of its own, so this is one pod's private and shared memory as its cgroup would see."""
-    out: dict[int, tuple[int, int]] = {}
+def tree_rss(roots: list[int]) -> list[tuple[int, int]]:
+    """(RssAnon, RssShmem) bytes summed over each root's process tree (a stage: its launcher, vLLM's
+    processes, the GEMM helper), the private and shared memory a pod's cgroup would be charged."""
+    parent, mem = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            sid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+            parent[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             f = {l.split(":")[0]: int(l.split()[1]) << 10 for l in Path(f"/proc/{pid}/status").read_text().splitlines()
                  if l.startswith(("RssAnon", "RssShmem"))}
-            anon, shmem = out.get(sid, (0, 0))
-            out[sid] = (anon + f.get("RssAnon", 0), shmem + f.get("RssShmem", 0))
-    return out
+            mem[int(pid)] = (f.get("RssAnon", 0), f.get("RssShmem", 0))
+
+    def root_of(pid):
+        while pid not in roots and pid in parent:
+            pid = parent[pid]
+        return pid
+
+    out = {r: [0, 0] for r in roots}
+    for pid, (anon, shared) in mem.items():
+        if (r := root_of(pid)) in out:
+            out[r][0] += anon
+            out[r][1] += shared
+    return [tuple(out[r]) for r in roots]
 
 
-SESSIONS: list[int] = []  # the session ids (= leader pids) of the running configuration's stages, in order
+STAGE_PIDS: list[int] = []  # the running configuration's stage processes, in stage order
 
 
 class Peaks:
-    """Peak host memory (above the baseline at start), per stage (its processes' RssAnon and RssShmem)
+    """Peak host memory (above the baseline at start), per stage (its process tree's RssAnon and RssShmem)
     and GPU memory while a configuration runs."""
 
     def __init__(self, every_s: float = 0.5):
         self.base, self.every_s = host_used_bytes()[0], every_s
         self.host = self.shmem = self.huge = self.gpu = 0
-        self.sessions: dict[int, tuple[int, int]] = {}
-        SESSIONS.clear()
+        self.stages: list[tuple[int, int]] = []
+        STAGE_PIDS.clear()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -108,10 +120,9 @@ class Peaks:
         while not self.stop.wait(self.every_s):
             used, shmem, huge = host_used_bytes()
             self.host, self.shmem, self.huge = max(self.host, used - self.base), max(self.shmem, shmem), max(self.huge, huge)
-            for sid, (anon, shared) in session_rss().items():
-                if sid in SESSIONS:
-                    old = self.sessions.get(sid, (0, 0))
-                    self.sessions[sid] = (max(old[0], anon), max(old[1], shared))
+            if STAGE_PIDS:
+                now = tree_rss(list(STAGE_PIDS))
+                self.stages = [(max(a, b), max(c, d)) for (a, c), (b, d) in zip(now, self.stages or now)]
             ticks += 1
             if ticks % 4 == 0:  # nvidia-smi every 2 s
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
@@ -123,7 +134,7 @@ class Peaks:
         self.stop.set()
         self.thread.join()
         gb = lambda b: round(b / 1e9, 2)  # noqa: E731
-        stages = [self.sessions.get(sid, (0, 0)) for sid in SESSIONS]
+        stages = self.stages
         return {"peak_host_gb": gb(self.host), "peak_shmem_gb": gb(self.shmem), "peak_hugetlb_gb": gb(self.huge),
                 "peak_gpu_gb": gb(self.gpu),
                 "stage_peak_rss_gb": [{"anon": gb(a), "shmem": gb(sh)} for a, sh in stages]}
@@ -195,7 +206,7 @@ class PlainVllm:
         self.log = open(OUT / f"plain-{self.port}.log", "wb")
         self.proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        SESSIONS.append(self.proc.pid)
+        STAGE_PIDS.append(self.proc.pid)
 
     def wait_ready(self, timeout=600):
         t0 = time.monotonic()
@@ -246,7 +257,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
             for s in stages]
     work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
     with LocalPipeline(plan, work, envs) as pipe:
-        SESSIONS.extend(p.pid for p in pipe.procs)
+        STAGE_PIDS.extend(p.pid for p in pipe.procs)
         ready = pipe.wait_ready(timeout=int(os.environ.get("HYBRID_BENCH_READY_TIMEOUT", "600")))
         out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -141,8 +142,13 @@ def cmd_serve(args) -> int:
         stall = StallWatch(env["HYBRID_PROGRESS_FILE"], timeout, grace)
     else:
         env.pop("HYBRID_PROGRESS_FILE")
+    ready = None
+    if helper:  # vLLM starts once the helper listens (it has taken its GPU memory by then)
+        ready = helper[helper.index("--socket") + 1]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ready)  # a previous run's
     return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None,
-                          sidecar=helper, stall=stall)
+                          sidecar=helper, stall=stall, sidecar_ready=ready)
 
 
 def idle() -> int:

@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--socket", required=True)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (tests)")
     p.add_argument("--cpus", help="CPU list to run on (the launcher gives it a core of its own)")
+    p.add_argument("--reserve-bytes", type=int, default=0,
+                   help="GPU memory to take before listening, kept in torch's cache for the weight rings")
     args = p.parse_args(argv)
     if args.cpus:
         from .cpubind import parse_cpulist
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)  # "cuda": the first visible GPU
         torch.cuda.set_device(device)
+        if args.reserve_bytes:
+            # one segment, freed to torch's caching allocator, which carves the rings from it later; the
+            # socket appears only after, and the stage starts vLLM only then (supervise.run_supervised)
+            torch.empty(args.reserve_bytes, dtype=torch.uint8, device=device)  # freed at once, kept by the cache
+            log.info("reserved %.2f GiB of GPU memory", torch.cuda.memory_reserved(device) / (1 << 30))
     else:
         torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher stops us with SIGTERM

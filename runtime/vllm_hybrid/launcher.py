@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .cpubind import CpuBinding
 from .plan import Plan, PlanError
-from .planner import GiB, Split
+from .planner import HELPER_CONTEXT, GiB, Split
 from .strategy import Layout, hardware_of, layout, prefetch_groups, slowest_step_s, split_rates
 
 GPU_VLLM_ENV = {
@@ -93,6 +93,7 @@ class StageRecord:
     split_rates: str | None
     helper_for: tuple[int, ...]    # balanced, gpu stage: the cpu stages its helper serves
     helper_socket: str | None      # and where it listens
+    helper_reserve_bytes: int      # and the GPU memory it takes before vLLM starts (planner.helper_gpu_bytes)
     kv_cache_gib: int | None       # cpu stages: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float | None  # gpu stages: vLLM's share, less what runs beside it (the helper)
     stall_timeout: float
@@ -129,6 +130,7 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
         split_rates=split_rates(hardware_of(plan), stage.cpus or 1).encode() if split_with is not None else None,
         helper_for=helper_for,
         helper_socket=gemm_socket(env, ident.replica, ident.stage) if helper_for else None,
+        helper_reserve_bytes=max(0, split.stages[ident.stage].beside_vllm_bytes - HELPER_CONTEXT) if helper_for else 0,
         kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage) if stage.is_cpu else None,
         gpu_memory_utilization=None if stage.is_cpu else split.stages[ident.stage].gpu_memory_utilization,
         stall_timeout=timeout, compile_grace=grace, progress_file=progress_file(env, ident.replica, ident.stage))
@@ -138,7 +140,10 @@ def helper_command(rec: StageRecord, python: str = sys.executable) -> list[str] 
     """balanced: a GPU stage whose GPU computes part of CPU stages' GEMMs also runs the GEMM helper."""
     if rec.helper_socket is None:
         return None
-    return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", rec.helper_socket, "--device", "cuda"]
+    # it takes its GPU memory before vLLM starts: vLLM counts memory another process takes while it profiles
+    # as its own overhead (a helper connecting then left a 70B shape's GPU stage no KV cache)
+    reserve = ("--reserve-bytes", str(rec.helper_reserve_bytes)) if rec.helper_reserve_bytes else ()
+    return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", rec.helper_socket, "--device", "cuda", *reserve]
 
 
 def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sys.executable) -> list[str]:

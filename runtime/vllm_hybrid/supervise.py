@@ -276,12 +276,21 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _wait_for(path: str, side: subprocess.Popen, stopping: threading.Event) -> bool:
+    """Until `path` exists: False if the process exits or the stage is told to stop first."""
+    while not os.path.exists(path):
+        if side.poll() is not None or stopping.wait(0.2):
+            return False
+    return True
+
+
 def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None,
                    janitor: ShmJanitor | None = None, sidecar: list[str] | None = None,
-                   stall: StallWatch | None = None) -> int:
+                   stall: StallWatch | None = None, sidecar_ready: str | None = None) -> int:
     """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST.
-    sidecar: a process the stage needs beside vLLM (the GEMM helper), started first; if it dies, the
-    stage stops with EXIT_SIDECAR_LOST (its CPU stages cannot compute without it).
+    sidecar: a process the stage needs beside vLLM (the GEMM helper), started first (and vLLM only once
+    the path sidecar_ready exists); if it dies, the stage stops with EXIT_SIDECAR_LOST (its CPU stages
+    cannot compute without it).
     stall: the worker's progress record; no progress with requests pending -> EXIT_STALLED."""
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -290,6 +299,10 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
     if stall:
         stall.create()
     side = sidecar and subprocess.Popen(sidecar, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    if side and sidecar_ready and not _wait_for(sidecar_ready, side, stopping):
+        log.error("%s exited with code %s before it was ready", sidecar[2], side.poll())
+        terminate_group(side, grace=5)
+        return EXIT_SIDECAR_LOST
     proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     if heartbeat:
         heartbeat.start()

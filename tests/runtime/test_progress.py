@@ -9,7 +9,7 @@ from vllm_hybrid.launcher import Identity, resolve_stage, stall_timeouts, vllm_e
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.progress import ProgressWriter, StallWatch, default_timeouts, size_bucket
-from vllm_hybrid.supervise import EXIT_STALLED, run_supervised
+from vllm_hybrid.supervise import EXIT_SIDECAR_LOST, EXIT_STALLED, run_supervised
 
 
 def step(new=(), cached=(), finished=(), tokens=1):
@@ -120,6 +120,20 @@ def test_launcher_stops_a_stalled_stage(tmp_path):
     t0 = time.monotonic()
     code = run_supervised([sys.executable, "-c", child], None, None, stall=StallWatch(path, 2, 100))
     assert code == EXIT_STALLED and 2 < time.monotonic() - t0 < 15
+
+
+def test_vllm_starts_only_once_the_sidecar_is_ready(tmp_path):
+    """The GEMM helper takes its GPU memory before it listens; vLLM must not start (and profile the GPU)
+    before that, and not at all if the helper dies first."""
+    ready, started = tmp_path / "helper.sock", tmp_path / "vllm-started"
+    helper = [sys.executable, "-c", f"import time, pathlib; time.sleep(1); pathlib.Path({str(ready)!r}).touch(); time.sleep(600)"]
+    child = f"import os, pathlib, sys; pathlib.Path({str(started)!r}).write_text(str(os.path.exists({str(ready)!r}))); sys.exit(3)"
+    assert run_supervised([sys.executable, "-c", child], None, None, sidecar=helper, sidecar_ready=str(ready)) == 3
+    assert started.read_text() == "True"
+    started.unlink()
+    dying = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    code = run_supervised([sys.executable, "-c", child], None, None, sidecar=dying, sidecar_ready=str(tmp_path / "never"))
+    assert code == EXIT_SIDECAR_LOST and not started.exists()
 
 
 def test_stall_gauges_read_the_record(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@ import pytest
 from vllm_hybrid.cpubind import CpuBinding
 from vllm_hybrid.launcher import Identity, helper_command, resolve_stage, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
-from vllm_hybrid.planner import model_shape, split_layers
+from vllm_hybrid.planner import HELPER_CONTEXT, model_shape, split_layers
 from vllm_hybrid.strategy import Hardware, Rates, prefetch_groups, resolve, split_rates
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
@@ -59,7 +59,8 @@ def test_prefetch_groups_stream_exactly_the_cpu_stages_layer_count(layers):
 
 @pytest.mark.parametrize("stages,cpu", [([GPU, CPU], 1), ([CPU, GPU], 0)])
 def test_balanced_splits_the_cpu_stages_gemms_with_the_gpu_stages_helper(stages, cpu):
-    plan, split = planned(stages, strategy="balanced")
+    plan, _ = planned(stages, strategy="balanced")
+    split = split_layers(plan, SHAPE, strategy="balanced")  # as resolve_split re-splits for balanced
     lay, _ = resolve(plan, split)
     gpu = 1 - cpu
     # every stage runs its own layers; nothing moves to the GPU stage's --cpu-offload-gb
@@ -72,8 +73,11 @@ def test_balanced_splits_the_cpu_stages_gemms_with_the_gpu_stages_helper(stages,
     assert cpu_env["HYBRID_GEMM_SOCKET"] == f"/dev/shm/hybrid-llama-r2-s{gpu}.gemm"
     assert Rates.decode(cpu_env["HYBRID_SPLIT_RATES"]) == split_rates(Hardware(), 15)
     helper = helper_command(recs[gpu], python="py")
+    # the helper takes the planner's GPU memory (less the CUDA context it makes anyway) before vLLM starts
+    reserve = split.stages[gpu].beside_vllm_bytes - HELPER_CONTEXT
+    assert reserve > 9 * 14336 * 4096 * 2  # its ring: 9 slots of the 8B shape's biggest split weight
     assert helper == ["py", "-m", "vllm_hybrid.gemm_helper", "--socket", cpu_env["HYBRID_GEMM_SOCKET"],
-                      "--device", "cuda"]
+                      "--device", "cuda", "--reserve-bytes", str(reserve)]
     assert helper_command(recs[cpu]) is None
     gpu_argv = vllm_command(plan, recs[gpu], ids[gpu], python="py")
     assert "--cpu-offload-gb" not in gpu_argv
