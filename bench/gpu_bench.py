@@ -17,6 +17,7 @@ vLLM's prefetch offloader streaming as many layers (p-prefetch-plain).
 Usage (see bench/run.sh): python bench/gpu_bench.py CONFIG [CONFIG...]
 """
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -134,10 +135,9 @@ class Peaks:
         self.stop.set()
         self.thread.join()
         gb = lambda b: round(b / 1e9, 2)  # noqa: E731
-        stages = self.stages
         return {"peak_host_gb": gb(self.host), "peak_shmem_gb": gb(self.shmem), "peak_hugetlb_gb": gb(self.huge),
                 "peak_gpu_gb": gb(self.gpu),
-                "stage_peak_rss_gb": [{"anon": gb(a), "shmem": gb(sh)} for a, sh in stages]}
+                "stage_peak_rss_gb": [{"anon": gb(a), "shmem": gb(sh)} for a, sh in self.stages]}
 
 
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
@@ -279,6 +279,7 @@ def huge_run(gib, run, *args):
         return {"huge_pages_reserved": pages, **run(*args)}
 
 
+@functools.cache
 def box_memory() -> tuple[int, int]:
     """(MiB of the GPU, MiB of host RAM) of this machine; HYBRID_BENCH_HOST_MIB where MemTotal is not
     the RAM a process can have (a VM whose memory grows as it is touched)."""
@@ -287,22 +288,35 @@ def box_memory() -> tuple[int, int]:
     return int(out.split()[0]), int(os.environ.get("HYBRID_BENCH_HOST_MIB") or meminfo()["MemTotal"] >> 20)
 
 
-def planned_splits() -> dict:
-    """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
-    memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
+def planned_stages(strategy: str) -> list[dict]:
+    """A CPU and a GPU stage without layer counts: the planner splits by this box's two memories. The CPU
+    stage gets the host RAM less 16 GiB for the GPU stage's processes and the OS."""
+    gpu_mib, host_mib = box_memory()
+    cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
+    stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
+              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{gpu_mib}Mi"}]
+    return stages[::-1] if strategy == "offload" else stages  # offload serves from its GPU stage: stage 0
+
+
+def planned_split(strategy: str, **expected):
+    """(split, layout, estimates) the planner resolves for planned_stages(strategy)."""
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategy import resolve_split
+    plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": strategy, **SHAPE, **expected,
+                           "stages": planned_stages(strategy)})
+    return resolve_split(plan, model_shape(MODELS[MODEL]))
+
+
+def planned_splits() -> dict:
+    """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
+    memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
     gpu_mib, host_mib = box_memory()
-    cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
-    shape, out = model_shape(MODELS[MODEL]), {"gpu_mib": gpu_mib, "host_mib": host_mib}
+    out = {"gpu_mib": gpu_mib, "host_mib": host_mib}
     for strategy in ("pipeline", "offload", "balanced", "auto"):
         for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
-            plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": strategy, **SHAPE,
-                                   "expected_concurrency": c, "expected_prompt_tokens": PROMPT_TOKENS,
-                                   "expected_output_tokens": OUTPUT_TOKENS,
-                                   "stages": planned_stages(gpu_mib, host_mib, cpus, strategy == "offload")})
-            split, lay, estimates = resolve_split(plan, shape)
+            split, lay, estimates = planned_split(strategy, expected_concurrency=c, expected_prompt_tokens=PROMPT_TOKENS,
+                                                  expected_output_tokens=OUTPUT_TOKENS)
             out[strategy if strategy != "auto" else f"auto@{c}"] = {
                 "runs": lay.strategy, "layers": {s.stage.name: s.layers for s in split.stages},
                 "helper_gib": round(sum(s.beside_vllm_bytes for s in split.stages) / (1 << 30), 2),
@@ -310,32 +324,17 @@ def planned_splits() -> dict:
     return out
 
 
-def planned_stages(gpu_mib: int, host_mib: int, cpus: int, gpu_first: bool = False) -> list[dict]:
-    """A CPU and a GPU stage without layer counts: the planner splits by the two memories. The CPU stage
-    gets the host RAM less 16 GiB for the GPU stage's processes and the OS."""
-    stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
-              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{gpu_mib}Mi"}]
-    return stages[::-1] if gpu_first else stages
-
-
 def run_planned(model, strategy: str, **env):
     """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU)."""
-    gpu_mib, host_mib = box_memory()
-    gpu_first = strategy == "offload"  # offload serves from its GPU stage: it must be stage 0
-    stages = planned_stages(gpu_mib, host_mib, len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"])), gpu_first)
-    return run_pipeline(model, gpu_first, strategy, f"planned-{strategy}", stages=stages, **env)
+    return run_pipeline(model, strategy == "offload", strategy, f"planned-{strategy}",
+                        stages=planned_stages(strategy), **env)
 
 
 def run_planned_prefetch_plain(model):
     """vLLM's prefetch offloader on plain `vllm serve`, streaming as many layers as p-offload's split."""
-    from vllm_hybrid.plan import plan_from_dict
-    from vllm_hybrid.planner import model_shape
-    from vllm_hybrid.strategy import prefetch_groups, resolve_split
-    gpu_mib, host_mib = box_memory()
-    shape = model_shape(MODELS[MODEL])
-    plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": "offload", **SHAPE,
-                           "stages": planned_stages(gpu_mib, host_mib, 14, gpu_first=True)})
-    split, lay, _ = resolve_split(plan, shape)
+    from vllm_hybrid.strategy import prefetch_groups
+    split, lay, _ = planned_split("offload")
+    shape = split.shape
     group, in_group = prefetch_groups(shape.num_layers, round(lay.offload_bytes[0] / shape.layer_bytes))
     return run_plain(model, [f"--offload-group-size={group}", f"--offload-num-in-group={in_group}",
                              "--offload-prefetch-step=1"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"})
