@@ -8,16 +8,16 @@ Reported per rows T and GPU share: ms per pass (graph replay), against the same 
 (the prefetch offloader's cost), and the largest error against the GPU's full product.
 Usage: python bench/coproc.py OUT.json      (on the GPU machine; PYTHONPATH=runtime)
 """
+import faulthandler
 import json
 import os
 import signal
+import subprocess
 import sys
-import threading
 import time
 
 import torch
 import torch.nn.functional as F
-
 from vllm_hybrid import coproc, hostmem
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
@@ -45,13 +45,24 @@ def views(region, shapes):
     return flat, ws
 
 
-def serve_child(wregion, ioregion, shapes, layout):
+def serve_child(wfd: int, iofd: int, max_rows: int) -> None:
+    """A fresh process, as in a CPU pod (a forked one would inherit a broken OpenMP pool)."""
     os.sched_setaffinity(0, cpus(SERVER_CPUS))
     torch.set_num_threads(len(cpus(SERVER_CPUS)))
-    _, ws = views(wregion, shapes)
-    io = coproc.IoViews(torch.frombuffer(ioregion.map, dtype=torch.uint8), layout, DT)
-    coproc.serve(ws, io, list(range(len(shapes))), stop=lambda: os.getppid() == 1)
-    os._exit(0)
+    shapes = SHAPES * LAYERS
+    wmap, _ = hostmem.open_fd(wfd)
+    iomap, _ = hostmem.open_fd(iofd)
+    flat = torch.frombuffer(wmap, dtype=DT, count=sum(n * k for n, k in shapes))
+    ws, off = [], 0
+    for n, k in shapes:
+        ws.append(flat[off:off + n * k].view(n, k))
+        off += n * k
+    layout = coproc.IoLayout.for_shapes(shapes, max_rows)
+    io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, DT)
+    print(f"server: {len(ws)} products on {torch.get_num_threads()} threads", flush=True)
+    parent = os.getppid()
+    print("server: served", coproc.serve(ws, io, list(range(len(shapes))), stop=lambda: os.getppid() != parent),
+          flush=True)
 
 
 def main(path: str) -> None:
@@ -66,11 +77,9 @@ def main(path: str) -> None:
         part.copy_(block[:part.numel()])
     layout = coproc.IoLayout.for_shapes(shapes, max(ROWS))
     ioregion = hostmem.allocate("coproc-bench-io", layout.nbytes, pages="shmem")
-    pid = os.fork()  # before CUDA starts in this process
-    if pid == 0:
-        serve_child(wregion, ioregion, shapes, layout)
-    threading.Timer(float(os.environ.get("HYBRID_BENCH_WATCHDOG", 400)), lambda: (print("watchdog: hung", flush=True),
-                    os.kill(pid, signal.SIGKILL), os._exit(3))).start()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(wregion.fd), str(ioregion.fd),
+                               str(max(ROWS))], pass_fds=(wregion.fd, ioregion.fd))
+    faulthandler.dump_traceback_later(float(os.environ.get("HYBRID_BENCH_WATCHDOG", 300)), exit=True)
     out = {"weights": wregion.describe(), "server_cpus": SERVER_CPUS}
     from vllm_hybrid import memops
     os.sched_setaffinity(0, [0])
@@ -81,10 +90,29 @@ def main(path: str) -> None:
     out["register_s"] = round(time.perf_counter() - t0, 2)
     io = coproc.IoViews(io_raw, layout, DT)
     gpu = coproc.GpuSide(io)
+    # the memops alone first: a store the host sees, a wait the host releases
+    probe = gpu.base + io.flag_offset(1, layout.products - 1)
+    # allocated and its kernel loaded before the wait: a cudaMalloc or a first (lazy) module load behind a
+    # pending wait blocks the host until the wait is released, here by this very thread
+    marker = torch.zeros(1, device="cuda").add_(0)
+    torch.cuda.synchronize()
+    memops.write(probe, 5)
+    torch.cuda.synchronize()
+    assert io.done[-1] == 5, io.done[-1]
+    memops.wait(probe, 6)
+    marker.add_(1)
+    time.sleep(0.2)
+    assert not torch.cuda.current_stream().query(), "the stream did not wait"
+    io.done[-1] = 6
+    torch.cuda.synchronize()
+    io.done[-1] = 0
+    print("memops: write and wait work", float(marker), flush=True)
     dev = torch.device("cuda")
     copy = torch.cuda.Stream()
-    bufs = [[torch.empty(n, k, dtype=DT, device=dev) for n, k in SHAPES] for _ in range(2)]
-    ready = [torch.cuda.Event(), torch.cuda.Event()]
+    depth = int(os.environ.get("HYBRID_BENCH_PREFETCH", 1))  # layers the copy stream runs ahead (--offload-prefetch-step)
+    out["prefetch_step"] = depth
+    bufs = [[torch.empty(n, k, dtype=DT, device=dev) for n, k in SHAPES] for _ in range(depth + 1)]
+    ready = [torch.cuda.Event() for _ in bufs]
 
     def one_pass(xs, n0s, outs):
         cur = torch.cuda.current_stream()
@@ -96,17 +124,18 @@ def main(path: str) -> None:
             with torch.cuda.stream(copy):
                 for p, (n, _) in enumerate(SHAPES):
                     j = layer * 4 + p
-                    bufs[layer % 2][p][:n0s[j]].copy_(ws[j][:n0s[j]], non_blocking=True)
-            ready[layer % 2].record(copy)
+                    bufs[layer % len(bufs)][p][:n0s[j]].copy_(ws[j][:n0s[j]], non_blocking=True)
+            ready[layer % len(bufs)].record(copy)
 
-        prefetch(0)
+        for layer in range(min(depth, LAYERS)):
+            prefetch(layer)
         for layer in range(LAYERS):
-            cur.wait_event(ready[layer % 2])
-            if layer + 1 < LAYERS:
-                prefetch(layer + 1)
+            cur.wait_event(ready[layer % len(bufs)])
+            if layer + depth < LAYERS:
+                prefetch(layer + depth)
             for p, (n, k) in enumerate(SHAPES):
                 j = layer * 4 + p
-                w = bufs[layer % 2][p][:n0s[j]]
+                w = bufs[layer % len(bufs)][p][:n0s[j]]
                 y = gpu.linear(j, xs[k], w, n) if n0s[j] < n else F.linear(xs[k], w)
                 if layer == LAYERS - 1:
                     outs[p].copy_(y)
@@ -129,7 +158,7 @@ def main(path: str) -> None:
                 o.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            err = max(float(((o.float() - r.float()).norm() / r.float().norm())) for o, r in zip(outs, refs))
+            err = max(float((o.float() - r.float()).norm() / r.float().norm()) for o, r in zip(outs, refs))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             reps = 5
             start.record()
@@ -146,9 +175,14 @@ def main(path: str) -> None:
     out["speedup_over_streaming"] = {r: round(res[r]["1.0"]["ms"] / ms, 2) for r, (ms, _) in best.items()}
     print(json.dumps(out["speedup_over_streaming"]), flush=True)
     json.dump(out, open(path, "w"), indent=1)
-    os.kill(pid, signal.SIGKILL)
-    os._exit(0)
+    server.send_signal(signal.SIGKILL)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--serve":
+        faulthandler.register(signal.SIGUSR1)
+        serve_child(*map(int, sys.argv[2:]))
+    else:
+        huge = -(-sum(n * k for n, k in SHAPES) * LAYERS * 2 // hostmem.HUGE_PAGE) + 8
+        with hostmem.reserved_huge_pages(huge if os.environ.get("HYBRID_BENCH_PAGES") == "huge" else 0):
+            main(sys.argv[1])

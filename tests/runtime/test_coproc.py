@@ -1,29 +1,32 @@
 """The co-processor's CPU side against its protocol: a thread plays the GPU stream (stores x and the request
 word, waits for done, reads y), the server computes rows [n0, N) from a shared memfd region in another
 process, as it does in a CPU pod. The GPU's end (memops in CUDA graphs) runs in tests/gpu."""
-import multiprocessing as mp
-import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
-
 from vllm_hybrid import coproc, hostmem
 
 SHAPES = [(96, 64), (64, 96), (160, 64)]
 
 
-def _serve(wfd, iofd, layout, done_q):
-    wmap, _ = hostmem.open_fd(wfd)
-    iomap, _ = hostmem.open_fd(iofd)
-    flat = torch.frombuffer(wmap, dtype=torch.float32, count=sum(n * k for n, k in SHAPES))
-    ws, off = [], 0
-    for n, k in SHAPES:
-        ws.append(flat[off:off + n * k].view(n, k))
-        off += n * k
-    io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, torch.float32)
-    done_q.put(coproc.serve(ws, io, [0, 1, 2], stop=lambda: os.path.exists(f"/proc/{os.getppid()}") is False
-                            or io.raw[-1].item() == 7, idle_check=0.05))
+SERVER = """
+import os, sys, torch
+from vllm_hybrid import coproc, hostmem
+wfd, iofd, shapes, max_rows = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3]), int(sys.argv[4])
+wmap, _ = hostmem.open_fd(wfd)
+iomap, _ = hostmem.open_fd(iofd)
+flat = torch.frombuffer(wmap, dtype=torch.float32, count=sum(n * k for n, k in shapes))
+ws, off = [], 0
+for n, k in shapes:
+    ws.append(flat[off:off + n * k].view(n, k))
+    off += n * k
+io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(shapes, max_rows, 4),
+                    torch.float32)
+print(coproc.serve(ws, io, list(range(len(shapes))), stop=lambda: io.raw[-1].item() == 7, idle_check=0.05))
+"""
 
 
 def _gpu_play(io, j, x, n, n0, timeout=20.0):
@@ -64,10 +67,9 @@ def test_server_computes_the_cpu_rows_of_every_product_in_order():
     layout = coproc.IoLayout.for_shapes(SHAPES, max_rows=8, elem=4)
     ioreg = hostmem.allocate("test-coproc-io", layout.nbytes + 1, pages="shmem")
     io = coproc.IoViews(torch.frombuffer(ioreg.map, dtype=torch.uint8), layout, torch.float32)
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(wreg.fd, ioreg.fd, layout, q))
-    proc.start()
+    # a fresh process, as in a CPU pod, given the two regions' descriptors
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(wreg.fd), str(ioreg.fd), repr(SHAPES), "8"],
+                            pass_fds=(wreg.fd, ioreg.fd), stdout=subprocess.PIPE, text=True)
     try:
         calls = 0
         for step, rows in enumerate([1, 8, 3, 1]):  # steps of different sizes, the same order of products
@@ -78,9 +80,7 @@ def test_server_computes_the_cpu_rows_of_every_product_in_order():
                 torch.testing.assert_close(y, x @ weights[j][n0:].t())
                 calls += 1
         io.raw[-1] = 7  # tell the server to stop at its next idle check
-        assert q.get(timeout=20) == calls
+        out, _ = proc.communicate(timeout=30)
     finally:
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
+        proc.kill()
+    assert proc.returncode == 0 and int(out) == calls
