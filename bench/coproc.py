@@ -61,7 +61,7 @@ def serve_child(wfd: int, iofd: int, max_rows: int) -> None:
     io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, DT)
     print(f"server: {len(ws)} products on {torch.get_num_threads()} threads", flush=True)
     parent = os.getppid()
-    print("server: served", coproc.serve(ws, io, list(range(len(shapes))), stop=lambda: os.getppid() != parent),
+    print("server: served", coproc.serve(ws, io, stop=lambda: os.getppid() != parent),
           flush=True)
 
 
@@ -77,8 +77,10 @@ def main(path: str) -> None:
         part.copy_(block[:part.numel()])
     layout = coproc.IoLayout.for_shapes(shapes, max(ROWS))
     ioregion = hostmem.allocate("coproc-bench-io", layout.nbytes, pages="shmem")
+    # its threads one per core, as the launcher places them (launcher.server_env)
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(wregion.fd), str(ioregion.fd),
-                               str(max(ROWS))], pass_fds=(wregion.fd, ioregion.fd))
+                               str(max(ROWS))], pass_fds=(wregion.fd, ioregion.fd),
+                              env={**os.environ, "GOMP_CPU_AFFINITY": " ".join(map(str, cpus(SERVER_CPUS)))})
     faulthandler.dump_traceback_later(float(os.environ.get("HYBRID_BENCH_WATCHDOG", 300)), exit=True)
     out = {"weights": wregion.describe(), "server_cpus": SERVER_CPUS}
     from vllm_hybrid import memops
@@ -91,21 +93,21 @@ def main(path: str) -> None:
     io = coproc.IoViews(io_raw, layout, DT)
     gpu = coproc.GpuSide(io)
     # the memops alone first: a store the host sees, a wait the host releases
-    probe = gpu.base + io.flag_offset(1, layout.products - 1)
+    probe, word = gpu.done, coproc.DONE
     # allocated and its kernel loaded before the wait: a cudaMalloc or a first (lazy) module load behind a
     # pending wait blocks the host until the wait is released, here by this very thread
     marker = torch.zeros(1, device="cuda").add_(0)
     torch.cuda.synchronize()
     memops.write(probe, 5)
     torch.cuda.synchronize()
-    assert io.done[-1] == 5, io.done[-1]
+    assert io.words[word] == 5, io.words[word]
     memops.wait(probe, 6)
     marker.add_(1)
     time.sleep(0.2)
     assert not torch.cuda.current_stream().query(), "the stream did not wait"
-    io.done[-1] = 6
+    io.words[word] = 6
     torch.cuda.synchronize()
-    io.done[-1] = 0
+    io.words[word] = 0
     print("memops: write and wait work", float(marker), flush=True)
     dev = torch.device("cuda")
     copy = torch.cuda.Stream()

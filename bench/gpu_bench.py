@@ -248,8 +248,10 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
     plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
             "strategy": strategy, "stages": stages, **SHAPE, **local_ports(), **(plan_extra or {})}
     cpu_cores = set(parse_cpulist(tuning["env"]["HYBRID_CPUS"]))
-    if strategy == "balanced":  # the GEMM helper gets a core of its own (the launcher takes the GPU stage's last)
-        cpu_cores.discard(max(cpu_cores))
+    if strategy in ("balanced", "coprocessor"):
+        # balanced: the GEMM helper gets a core of its own (the launcher takes the GPU stage's last);
+        # coprocessor: the GPU stage's processes get a second core, not shared with the spinning server
+        cpu_cores.discard(max(cpu_cores) if strategy == "balanced" else min(cpu_cores))
         tuning["env"]["HYBRID_CPUS"] = ",".join(map(str, sorted(cpu_cores)))
         cpu["cpus"] = len(cpu_cores)
     gpu_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in cpu_cores)
@@ -267,8 +269,9 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
         # where the weights live (balanced) and each stage's KV cache, for the host memory figures
         out["log_lines"] = [line.split("] ", 1)[-1] for text in logs for line in text.splitlines()
                             if "split with the GEMM helper on" in line or "KV cache size" in line
+                            or "coprocessor: " in line or "weights region:" in line
                             or "Memory profiling" in line or "cpu_kvcache_space" in line.lower()]
-        if strategy == "offload":
+        if strategy in ("offload", "coprocessor"):
             wanted = "UVAOffloader" if plan.get("offload_backend") == "uva" else "PrefetchOffloader"
             out["offload_verified"] = f"Offloader set to {wanted}" in pipe.log(stages.index(gpu))
         return out
@@ -354,6 +357,9 @@ CONFIGS = {
     "d-balanced": lambda m: run_pipeline(m, False, "balanced"),  # weights on 4 KiB shmem pages unless reserved:
     "d-balanced-huge": lambda m: huge_run(8, run_pipeline, m, False, "balanced", "balanced-huge"),  # 2 MiB pages
     "d-balanced-gpu-first": lambda m: run_pipeline(m, True, "balanced"),
+    # every layer on the GPU, the CPU stage's 16 streamed from its region and split with it at decode
+    "e-coproc": lambda m: run_pipeline(m, True, "coprocessor", "coproc"),  # 4 KiB shmem pages unless reserved
+    "e-coproc-huge": lambda m: huge_run(8, run_pipeline, m, True, "coprocessor", "coproc-huge"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
     # HYBRID_BENCH_MODEL larger than the GPU, split by the planner from the box's GPU and host memory

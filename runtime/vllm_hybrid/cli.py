@@ -82,6 +82,16 @@ def build_stage(args, env: dict[str, str]):
     split, lay, estimates = resolve_split(plan, model_shape(read_model_config(plan.model), plan.dtype),
                                           args.gpu_memory, api_stage=api_stage, shared_shm=shared_shm)
     log.info(strategy_line(plan, lay, estimates))
+    served = dict(lay.servers)
+    if ident.stage in served:  # coprocessor: this cpu stage computes products for a gpu stage, no vLLM here
+        from .launcher import coproc_socket, server_command, server_env
+        binding = stage_binding(plan, ident, env)
+        sock = coproc_socket(env, ident.replica, ident.stage)
+        argv = numactl_prefix(binding, which("numactl")) + server_command(sock)
+        summary = {"stage": ident.stage, "name": plan.stages[ident.stage].name, "strategy": lay.strategy,
+                   "role": "coprocessor", "for_stage": served[ident.stage], "socket": sock, "cpus": binding.omp_bind,
+                   "numa_node": binding.numa_node}
+        return plan, ident, argv, server_env(binding, env), None, summary
     if ident.stage not in lay.stages:
         return plan, ident, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)
@@ -123,6 +133,9 @@ def cmd_serve(args) -> int:
         if helper:
             print(" ".join(helper))
         return 0
+    if summary["role"] == "coprocessor":
+        # no pipeline rank, no heartbeat: the server exits when its gpu stage's connection closes
+        return run_supervised(argv, env, None, None)
     if not plan.stages[ident.stage].is_cpu and env.get("HYBRID_CPUS"):
         # a GPU stage sharing a host with CPU stages keeps its processes off their cores (local runs;
         # in a pod the cgroup cpuset does this)

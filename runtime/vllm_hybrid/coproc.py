@@ -1,36 +1,52 @@
 """strategy: coprocessor. The GPU stage runs every layer; the CPU pods are matrix-product co-processors.
 
 The CPU-resident layers' weights live once, in a region the CPU pod owns (hostmem: a memfd on its NUMA
-node, 2 MiB pages where it has them). The GPU process registers that region and vLLM's prefetch offloader
-streams those layers from it (patches.py). For a step of at most `max_rows` tokens, each product of such
-a layer is split by rows: the offloader copies only rows [0, n0) of the weight and the GPU computes them,
-while the CPU pod computes rows [n0, N) from the same memory. Larger steps (prompt chunks) stream every
-row, as the plain offloader does, so attention, norms and KV stay on the GPU for every token.
+node, 2 MiB pages where it has them). The GPU process maps and registers that region, and vLLM's prefetch
+offloader streams those layers from it (patches.patch_coprocessor). For a step of at most `max_rows`
+tokens, each product of such a layer is split by rows: the offloader copies only rows [0, n0) of the
+weight and the GPU computes them, while the CPU pod computes rows [n0, N) from the same memory. Larger
+steps (prompt chunks) stream every row, as the plain offloader does; attention, norms and the KV cache
+stay on the GPU for every token (docs/design-gpu-prefill.md, design B).
 
-The two meet through words in a small shared io region, with no host thread on the GPU side, so CUDA graphs
-capture the step (memops.py). For product j of a step of T tokens the GPU stream:
-  1. writes x (T x K) into the io region (a kernel: a DMA copy would queue behind the weight stream)
-  2. stores req[j] = encode(T, n0)           -> the CPU pod computes x @ W[n0:].T into y, then done[j] = 1
-  3. computes x @ W[:n0].T from the prefetched rows
-  4. waits for done[j] == 1, stores done[j] = 0
-  5. reads y in place and concatenates.
-Products arrive in the same order every step, so the server watches one slot at a time.
+Per product, GPU stream and CPU pod meet through three words of a small shared io region, with no host
+thread on the GPU side, so CUDA graphs capture the decode step (memops.py):
+  GPU  writes x (T x K) into the io region (a kernel: a DMA copy would queue behind the weight stream),
+       stores product = j, then req = encode(T, n0); computes x @ W[:n0].T from the prefetched rows;
+       waits for done == 1, stores done = 0; reads y in place and concatenates.
+  CPU  spins on req; computes x @ W[n0:].T into y from the region; stores done = 1.
+Products are strictly sequential on the GPU stream, so one slot serves them all.
+
+Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors by SCM_RIGHTS):
+  GPU -> CPU {"weights_bytes"}             CPU -> GPU {"page"} + the weights region's fd
+  (the GPU's loader fills the region; vLLM builds the model)
+  GPU -> CPU {"dtype", "max_rows", "products": [[offset, n, k], ...]}
+                                           CPU -> GPU {"threads"} + the io region's fd
+  The connection stays open; when it closes (the GPU stage went), the server exits.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import logging
+import os
+import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
-ALIGN = 16          # n0 is whole 16-row blocks (and the request code stores n0 / ALIGN)
-FLAG_WORDS = 16     # one 64-byte line per flag: the GPU's stores and the CPU's spins do not share lines
+from . import hostmem
+
+log = logging.getLogger("vllm_hybrid.coproc")
+ALIGN = 16          # n0 is whole 16-row blocks (the request word stores n0 / ALIGN)
+LINE = 64           # one cache line per word: the GPU's stores and the CPU's spins do not share lines
 T_BITS = 13         # request word: (n0 / ALIGN) << T_BITS | T
 MAX_ROWS = (1 << T_BITS) - 1
+REQ, PRODUCT, DONE = 0, 1, 2  # the words, in lines
 
 
 def encode(rows: int, n0: int) -> int:
-    assert 0 < rows <= MAX_ROWS and n0 % ALIGN == 0
+    assert 0 < rows <= MAX_ROWS and n0 % ALIGN == 0 and n0 >> 4 < 1 << (31 - T_BITS)
     return (n0 // ALIGN) << T_BITS | rows
 
 
@@ -40,17 +56,14 @@ def decode(word: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class IoLayout:
-    """Byte offsets in the io region: flags, then two x and two y buffers (products alternate between them,
-    so product j+1's input can land while j's output is still being read)."""
-    products: int
+    """Byte offsets in the io region: three words, then two x and two y buffers (products alternate
+    between them, so product j+1's input can land while j's output is still being read)."""
     max_rows: int
     max_k: int
     max_n: int
     elem: int = 2
 
-    @property
-    def flags_bytes(self) -> int:
-        return 2 * self.products * FLAG_WORDS * 4
+    flags_bytes = 3 * LINE
 
     @property
     def x_bytes(self) -> int:
@@ -72,20 +85,16 @@ class IoLayout:
 
     @classmethod
     def for_shapes(cls, shapes: list[tuple[int, int]], max_rows: int, elem: int = 2) -> IoLayout:
-        return cls(len(shapes), max_rows, max(k for _, k in shapes), max(n for n, _ in shapes), elem)
+        return cls(max_rows, max(k for _, k in shapes), max(n for n, _ in shapes), elem)
 
 
 class IoViews:
-    """Tensor views of an io region (a CPU tensor of bytes over the shared mapping)."""
+    """Views of an io region (`raw`: a CPU uint8 tensor over the shared mapping)."""
 
     def __init__(self, raw: torch.Tensor, layout: IoLayout, dtype: torch.dtype):
         self.raw, self.layout, self.dtype = raw, layout, dtype
         # numpy views: the server spins on these words, and a numpy read costs a tenth of a tensor index
-        words = raw[:layout.flags_bytes].numpy().view("int32").reshape(2, layout.products, FLAG_WORDS)
-        self.req, self.done = words[0, :, 0], words[1, :, 0]
-
-    def flag_offset(self, which: int, j: int) -> int:
-        return (which * self.layout.products + j) * FLAG_WORDS * 4
+        self.words = raw[:layout.flags_bytes].numpy().view("int32")[::LINE // 4]
 
     def x(self, j: int, rows: int, k: int) -> torch.Tensor:
         o = self.layout.x_offset(j)
@@ -96,38 +105,37 @@ class IoViews:
         return self.raw[o:o + rows * n * self.layout.elem].view(self.dtype).view(rows, n)
 
 
-def serve(weights: list[torch.Tensor], io: IoViews, order: list[int], stop=lambda: False,
-          idle_check: float = 0.5) -> int:
-    """The CPU pod's loop: for each product of `order` in turn, wait for its request, compute its rows
-    [n0, N) into y, raise done. Returns the number of products served when `stop()` turns true."""
-    req, done = io.req, io.done
-    served, i = 0, 0
+def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5) -> int:
+    """The CPU pod's loop: wait for a request, compute its rows [n0, N) of product j into y, raise done.
+    Returns the number of products served once `stop()` turns true (asked while idle)."""
+    words = io.words
+    served = 0
     while True:
-        j = order[i]
         spins, since = 0, time.monotonic()
-        while (word := int(req[j])) == 0:
+        while (word := int(words[REQ])) == 0:
             spins += 1
             if spins % 4096 == 0 and time.monotonic() - since > idle_check:
                 if stop():
                     return served
                 since = time.monotonic()
-        req[j] = 0
+        words[REQ] = 0
+        j = int(words[PRODUCT])
         rows, n0 = decode(word)
         w = weights[j]
         n, k = w.shape
         torch.matmul(io.x(j, rows, k), w[n0:].t(), out=io.y(j, rows, n - n0))
-        done[j] = 1  # x86 stores are ordered: y is visible before the flag
+        words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served += 1
-        i = (i + 1) % len(order)
 
 
 class GpuSide:
-    """The GPU process's end of an io region: device pointers of the flags, in-place device views of x and y."""
+    """The GPU process's end of an io region: device pointers of the words, in-place device views of x, y."""
 
     def __init__(self, io: IoViews):
         from . import memops
         self.io, self.memops = io, memops
-        self.base = memops.device_pointer(io.raw.data_ptr())
+        base = memops.device_pointer(io.raw.data_ptr())
+        self.req, self.product, self.done = (base + w * LINE for w in (REQ, PRODUCT, DONE))
         self.dev = memops.as_device(io.raw)
 
     def linear(self, j: int, x: torch.Tensor, w_rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -138,10 +146,212 @@ class GpuSide:
         xo, yo = lay.x_offset(j), lay.y_offset(j)
         xd = self.dev[xo:xo + rows * k * lay.elem].view(x.dtype).view(rows, k)
         torch.mul(x, 1, out=xd)  # a kernel writes host memory; copy_ might take the DMA engine
-        mo.write(self.base + self.io.flag_offset(0, j), encode(rows, n0))
+        mo.write(self.product, j)
+        mo.write(self.req, encode(rows, n0))
         y0 = torch.nn.functional.linear(x, w_rows)
-        done = self.base + self.io.flag_offset(1, j)
-        mo.wait(done, 1)
-        mo.write(done, 0)
+        mo.wait(self.done, 1)
+        mo.write(self.done, 0)
         y1 = self.dev[yo:yo + rows * (n - n0) * lay.elem].view(x.dtype).view(rows, n - n0)
         return torch.cat([y0, y1], dim=-1)
+
+
+# --- the CPU pod's server --------------------------------------------------------------------------
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def handle(conn: socket.socket, pages: str | None = None) -> int:
+    """One GPU stage's session: regions, manifest, then products until the connection closes."""
+    from .gemm_split import recv_msg, send_msg
+    first = recv_msg(conn)
+    weights = hostmem.allocate("hybrid-coproc-weights", int(first["weights_bytes"]), pages)
+    send_msg(conn, {"page": weights.page_size, "describe": weights.describe()}, [weights.fd])
+    log.info("weights region: %s", weights.describe())
+    manifest = recv_msg(conn)
+    dtype = getattr(torch, manifest["dtype"])
+    flat = torch.frombuffer(weights.map, dtype=torch.uint8)
+    ws = [flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
+    layout = IoLayout.for_shapes([(n, k) for _, n, k in manifest["products"]], manifest["max_rows"], dtype.itemsize)
+    io_region = hostmem.allocate("hybrid-coproc-io", layout.nbytes, "shmem")
+    io = IoViews(torch.frombuffer(io_region.map, dtype=torch.uint8), layout, dtype)
+    send_msg(conn, {"threads": torch.get_num_threads()}, [io_region.fd])
+    log.info("serving %d products (%.2f GB) on %d threads", len(ws), sum(w.numel() for w in ws) * dtype.itemsize / 1e9,
+             torch.get_num_threads())
+    return serve(ws, io, stop=lambda: _closed(conn))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm_hybrid.coproc", description="strategy coprocessor: the CPU pod's product server")
+    p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
+    p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coproc %(levelname)s %(message)s")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(args.socket)
+    srv.listen(1)
+    log.info("listening on %s (threads %d)", args.socket, torch.get_num_threads())
+    conn, _ = srv.accept()
+    with conn:
+        served = handle(conn, args.pages)
+    log.info("the GPU stage closed the connection after %d products", served)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+# --- the GPU process's side (patches.patch_coprocessor calls these) ---------------------------------
+
+SOCKET_ENV, BYTES_ENV, SHARES_ENV = "HYBRID_COPROC_SOCKET", "HYBRID_COPROC_BYTES", "HYBRID_COPROC_SHARES"
+# GPU share of each split product's rows, by step size: T <= bound -> share. Larger steps are not split.
+# (bench/coproc.py on the H200 box: one 16-layer pass is fastest near these.)
+DEFAULT_SHARES = "4:0.5,16:0.55,64:0.6"
+BOUNDARY_SHARE = 0.55  # layers the offloader prefetches across steps: one n0 whatever the next step's size
+
+
+def parse_shares(text: str) -> list[tuple[int, float]]:
+    try:
+        out = sorted((int(b), float(s)) for b, s in (part.split(":") for part in text.split(",")))
+    except ValueError:
+        raise ValueError(f"{SHARES_ENV}={text!r}: expected ROWS:SHARE,... (e.g. {DEFAULT_SHARES})") from None
+    if not out or any(not 0 < s < 1 or b < 1 for b, s in out) or out[-1][0] > MAX_ROWS:
+        raise ValueError(f"{SHARES_ENV}={text!r}: shares in (0, 1), rows in [1, {MAX_ROWS}]")
+    return out
+
+
+def rows_of(n: int, share: float) -> int:
+    """n0: whole blocks, at least one on each side."""
+    return min(n - ALIGN, max(ALIGN, int(n * share) // ALIGN * ALIGN))
+
+
+@dataclass
+class Product:
+    cpu: torch.Tensor   # the weight in the shared region
+    boundary: bool      # prefetched across steps: always n0_fixed rows ahead
+    n0_fixed: int
+
+
+class Client:
+    """The GPU worker's session with its CPU pod: the weights region it loads into, the io region, the split."""
+
+    def __init__(self, shares: str | None = None):
+        self.shares = parse_shares(shares or DEFAULT_SHARES)
+        self.max_rows = self.shares[-1][0]
+        self.rows = MAX_ROWS + 1  # the current step's tokens (set by every split product; larger: stream all)
+        self.products: list[Product] = []
+        self.gpu: GpuSide | None = None
+        self.used = 0
+
+    def connect(self, path: str, timeout: float = 900.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                self.sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > end:
+                    raise RuntimeError(f"strategy coprocessor: no product server at {path} after {timeout:.0f} s "
+                                       "(is the cpu stage running, and does it share /dev/shm with this pod?)") from None
+                time.sleep(0.5)
+
+    def open_weights(self, nbytes: int) -> str:
+        from . import memops
+        from .gemm_split import recv_msg, send_msg
+        send_msg(self.sock, {"weights_bytes": nbytes})
+        reply = recv_msg(self.sock, max_fds=1)
+        (fd,) = reply["fds"]
+        try:
+            self.wmap, self.wbytes = hostmem.open_fd(fd)
+        finally:
+            os.close(fd)
+        self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
+        memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: the copy stream DMAs from it
+        return reply["describe"]
+
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Room in the region for a tensor like `like` (contiguous, 4 KiB aligned); None when it is full."""
+        if not like.is_contiguous():
+            return None
+        start = hostmem.round_up(self.used, 4096)
+        nbytes = like.numel() * like.element_size()
+        if start + nbytes > self.wbytes:
+            return None
+        self.used = start + nbytes
+        return self.flat[start:start + nbytes].view(like.dtype).view(like.shape)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        base = self.flat.data_ptr()
+        return t.device.type == "cpu" and base <= t.data_ptr() < base + self.wbytes
+
+    def add_product(self, weight_cpu: torch.Tensor, boundary: bool) -> int:
+        self.products.append(Product(weight_cpu, boundary, rows_of(weight_cpu.shape[0], BOUNDARY_SHARE)))
+        return len(self.products) - 1
+
+    def publish(self) -> int:
+        """Tell the CPU pod where each product's weight is; map the io region it returns. Its thread count."""
+        from . import memops
+        from .gemm_split import recv_msg, send_msg
+        dtype = self.products[0].cpu.dtype
+        base = self.flat.data_ptr()
+        send_msg(self.sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": self.max_rows,
+                             "products": [[p.cpu.data_ptr() - base, *p.cpu.shape] for p in self.products]})
+        reply = recv_msg(self.sock, max_fds=1)
+        (fd,) = reply["fds"]
+        try:
+            self.io_map, nbytes = hostmem.open_fd(fd)
+        finally:
+            os.close(fd)
+        raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
+        memops.register(raw.data_ptr(), nbytes)
+        layout = IoLayout.for_shapes([tuple(p.cpu.shape) for p in self.products], self.max_rows, dtype.itemsize)
+        self.gpu = GpuSide(IoViews(raw, layout, dtype))
+        return reply["threads"]
+
+    def n0(self, j: int, rows: int) -> int:
+        p = self.products[j]
+        if p.boundary:
+            return p.n0_fixed
+        share = next(s for bound, s in self.shares if rows <= bound)
+        return rows_of(p.cpu.shape[0], share)
+
+    def prefetch_rows(self, j: int) -> int:
+        """Rows of product j's weight the offloader copies ahead for the current step."""
+        p = self.products[j]
+        if p.boundary:
+            return p.n0_fixed
+        return self.n0(j, self.rows) if self.rows <= self.max_rows else p.cpu.shape[0]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, j: int) -> torch.Tensor:
+        rows = x.shape[0]
+        self.rows = rows
+        p = self.products[j]
+        if rows <= self.max_rows:
+            return self.gpu.linear(j, x, weight[:self.n0(j, rows)], weight.shape[0])
+        if p.boundary:  # its prefetch held n0_fixed rows: the rest now, on this stream
+            weight[p.n0_fixed:].copy_(p.cpu[p.n0_fixed:], non_blocking=True)
+        return torch.nn.functional.linear(x, weight)
+
+
+CLIENT: Client | None = None
+
+
+@torch.library.custom_op("hybrid::coproc_linear", mutates_args=())
+def coproc_linear(x: torch.Tensor, weight: torch.Tensor, product: int) -> torch.Tensor:
+    # opaque to torch.compile; under CUDA graphs its memops and kernels are captured and replayed
+    x2 = x.reshape(-1, x.shape[-1])
+    return CLIENT.linear(x2, weight, product).view(*x.shape[:-1], weight.shape[0])
+
+
+@coproc_linear.register_fake
+def _(x, weight, product):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

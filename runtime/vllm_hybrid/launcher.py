@@ -6,9 +6,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cpubind import CpuBinding
+from .cpubind import CpuBinding, parse_cpulist
 from .plan import Plan, PlanError
-from .planner import HELPER_CONTEXT, GiB, Split
+from .planner import COPROC_PREFETCH_STEP, HELPER_CONTEXT, GiB, Split
 from .strategy import Layout, hardware_of, layout, prefetch_groups, slowest_step_s, split_rates
 
 GPU_VLLM_ENV = {
@@ -54,6 +54,12 @@ def gemm_socket(env: dict[str, str], replica: int, gpu_stage: int) -> str:
     return os.path.join(env.get("HYBRID_SHM_DIR", "/dev/shm"), name)
 
 
+def coproc_socket(env: dict[str, str], replica: int, cpu_stage: int) -> str:
+    """Where cpu stage `cpu_stage`'s product server listens (coprocessor): the replica's shared /dev/shm."""
+    name = f"hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{replica}-s{cpu_stage}.coproc"
+    return os.path.join(env.get("HYBRID_SHM_DIR", "/dev/shm"), name)
+
+
 def progress_file(env: dict[str, str], replica: int, stage: int) -> str:
     """Where the stage's first worker publishes its progress for the launcher's stall watch."""
     name = f".hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{replica}-s{stage}.progress"
@@ -94,6 +100,8 @@ class StageRecord:
     helper_for: tuple[int, ...]    # balanced, gpu stage: the cpu stages its helper serves
     helper_socket: str | None      # and where it listens
     helper_reserve_bytes: int      # and the GPU memory it takes before vLLM starts (planner.helper_gpu_bytes)
+    coproc_socket: str | None      # coprocessor, gpu stage: its cpu stage's product server
+    coproc_bytes: int              # and the bytes of streamed weights that live in the server's region
     kv_cache_gib: int | None       # cpu stages: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float | None  # gpu stages: vLLM's share, less what runs beside it (the helper)
     stall_timeout: float
@@ -110,10 +118,11 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
     stage, rank = plan.stages[ident.stage], lay.stages.index(ident.stage)
     flags: tuple[str, ...] = ()
     streamed = lay.offload_bytes[rank]
-    if streamed and plan.offload_backend == "prefetch":
+    servers = [cpu for cpu, gpu in lay.servers if gpu == ident.stage]
+    if streamed and (plan.offload_backend == "prefetch" or servers):
         group, in_group = prefetch_groups(lay.layers[rank], round(streamed / split.shape.layer_bytes))
         flags = ("--offload-group-size", str(group), "--offload-num-in-group", str(in_group),
-                 "--offload-prefetch-step", "1")
+                 "--offload-prefetch-step", str(COPROC_PREFETCH_STEP if servers else 1))
     elif streamed:
         # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
         # (6 significant digits: a small model's layers round to 0.00 GiB, which vLLM takes as no offload)
@@ -124,13 +133,16 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
         index=ident.stage, rank=rank, stages=len(lay.stages), name=stage.name, device=stage.device,
         tp=stage.tensor_parallel, strategy=lay.strategy, partition=lay.partition, layers=lay.ranges()[ident.stage],
         offload_flags=flags, offload_gib=round(streamed / GiB, 2),
-        expect_offloader=OFFLOADERS[plan.offload_backend] if streamed else None,
+        expect_offloader=OFFLOADERS["prefetch" if servers else plan.offload_backend] if streamed else None,
         split_with=split_with,
         split_socket=gemm_socket(env, ident.replica, split_with) if split_with is not None else None,
         split_rates=split_rates(hardware_of(plan), stage.cpus or 1).encode() if split_with is not None else None,
         helper_for=helper_for,
         helper_socket=gemm_socket(env, ident.replica, ident.stage) if helper_for else None,
         helper_reserve_bytes=max(0, split.stages[ident.stage].beside_vllm_bytes - HELPER_CONTEXT) if helper_for else 0,
+        # one server per gpu stage for now: the offloader streams from one region
+        coproc_socket=coproc_socket(env, ident.replica, servers[0]) if servers else None,
+        coproc_bytes=streamed + (64 << 20) if servers else 0,  # + norms and alignment
         kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage) if stage.is_cpu else None,
         gpu_memory_utilization=None if stage.is_cpu else split.stages[ident.stage].gpu_memory_utilization,
         stall_timeout=timeout, compile_grace=grace, progress_file=progress_file(env, ident.replica, ident.stage))
@@ -144,6 +156,17 @@ def helper_command(rec: StageRecord, python: str = sys.executable) -> list[str] 
     # as its own overhead (a helper connecting then left a 70B shape's GPU stage no KV cache)
     reserve = ("--reserve-bytes", str(rec.helper_reserve_bytes)) if rec.helper_reserve_bytes else ()
     return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", rec.helper_socket, "--device", "cuda", *reserve]
+
+
+def server_command(socket_path: str, python: str = sys.executable) -> list[str]:
+    """coprocessor, cpu stage: the product server instead of vLLM."""
+    return [python, "-m", "vllm_hybrid.coproc", "--socket", socket_path]
+
+
+def server_env(binding: CpuBinding, base: dict[str, str]) -> dict[str, str]:
+    """Its torch threads one per core of the stage's binding (libgomp places thread i on the i-th CPU)."""
+    return dict(base, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(len(parse_cpulist(binding.omp_bind))),
+                GOMP_CPU_AFFINITY=binding.omp_bind.replace(",", " "))
 
 
 def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sys.executable) -> list[str]:
@@ -203,6 +226,10 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         env["VLLM_HOST_IP"] = ident.host_ip
     if Path(plan.model).is_dir():
         env.setdefault("HF_HUB_OFFLINE", "1")
+    if rec.coproc_socket:
+        # coprocessor: the streamed layers' weights live in that server's region (patches.patch_coprocessor)
+        env["HYBRID_COPROC_SOCKET"] = rec.coproc_socket
+        env["HYBRID_COPROC_BYTES"] = str(rec.coproc_bytes)
     if rec.expect_offloader:
         # vLLM ignores offload flags it cannot honour (the V2 runner does): patches.patch_check_offloader
         env["HYBRID_EXPECT_OFFLOADER"] = rec.expect_offloader
@@ -245,6 +272,8 @@ def resolved_summary(plan: Plan, rec: StageRecord, ident: Identity, binding: Cpu
         out["gemm_split_with"] = rec.split_with
     if rec.helper_for:
         out["gemm_helper_for"] = list(rec.helper_for)
+    if rec.coproc_socket:
+        out["coprocessor"] = rec.coproc_socket
     if binding:
         out.update(cpus=binding.omp_bind, numa_node=binding.numa_node, kv_cache_gib=rec.kv_cache_gib)
     else:

@@ -364,6 +364,125 @@ def patch_split_gemm(layer_utils, cpu_model_runner) -> None:
                    "(split GEMMs with the GPU, weights loaded into the shared region)")
 
 
+def patch_coprocessor(prefetch, linear, loader_utils) -> None:
+    # strategy coprocessor (coproc.py), in the GPU worker; vLLM's prefetch offloader streams the cpu
+    # stages' layers:
+    # - vllm.model_executor.offloader.prefetch.PrefetchOffloader.wrap_modules: before the layers are
+    #   built, ask the CPU pod for the region their weights will live in (its memory, its NUMA node);
+    # - _CpuParamOffloader._offload_to_cpu_internal: each offloaded parameter gets its host copy in that
+    #   region instead of a private pinned tensor, so the loader fills the one copy the CPU computes from;
+    # - model_loader.utils.device_loading_context: weight processing moves each layer's CPU parameters to
+    #   the GPU and back into new pageable tensors (a second host copy of every streamed weight until the
+    #   offloader's post_init); their values go back into the region at once, which stays the storage;
+    # - _CpuParamOffloader._update_cpu_storage_from_param: the same where a new CPU tensor still arrives;
+    # - PrefetchOffloader.post_init: once the buffers are assigned, every plain linear weight of the
+    #   streamed layers becomes a product the CPU pod splits (manifest over the socket);
+    # - _ModuleOffloader.start_onload_to_static: for a step the CPU pod helps with, only rows [0, n0)
+    #   of those weights are copied (the upstream copy streams them whole);
+    # - UnquantizedLinearMethod.apply: those layers' products go through coproc.coproc_linear.
+    import torch
+    from vllm.logger import init_logger
+
+    from . import coproc
+    logger = init_logger("vllm.hybrid.patches")
+    offloader_cls, module_cls, param_cls = prefetch.PrefetchOffloader, prefetch._ModuleOffloader, prefetch._CpuParamOffloader
+    original_wrap, original_post_init = offloader_cls.wrap_modules, offloader_cls.post_init
+    original_offload, original_update = param_cls._offload_to_cpu_internal, param_cls._update_cpu_storage_from_param
+    original_apply = linear.UnquantizedLinearMethod.apply
+    original_loading_context = loader_utils.device_loading_context
+
+    @contextlib.contextmanager
+    def device_loading_context(module, target_device):
+        with original_loading_context(module, target_device) as m:
+            yield m
+        for p in module.parameters():
+            region = getattr(p, "_hybrid_region", None)
+            if region is not None and p.data.data_ptr() != region.data_ptr() and p.data.shape == region.shape:
+                region.copy_(p.data)
+                p.data = region
+
+    @functools.wraps(original_wrap)
+    def wrap_modules(self, modules_generator):
+        if coproc.CLIENT is None:
+            client = coproc.Client(os.environ.get(coproc.SHARES_ENV))
+            client.connect(os.environ[coproc.SOCKET_ENV])
+            where = client.open_weights(int(os.environ[coproc.BYTES_ENV]))
+            coproc.CLIENT = client
+            logger.info("coprocessor: streamed layers' weights go to the CPU pod's region, %s", where)
+        return original_wrap(self, modules_generator)
+
+    @functools.wraps(original_offload)
+    def _offload_to_cpu_internal(self):
+        param = self._param
+        storage = coproc.CLIENT.take(param.data) if coproc.CLIENT else None
+        if storage is None:
+            return original_offload(self)
+        storage.copy_(param.data)
+        self._cpu_storage, self.offloaded_bytes = storage, storage.numel() * storage.element_size()
+        param.data, param._hybrid_region = storage, storage
+
+    @functools.wraps(original_update)
+    def _update_cpu_storage_from_param(self):
+        param, storage = self._param, self._cpu_storage
+        if (coproc.CLIENT and storage is not None and coproc.CLIENT.holds(storage) and param.data.device.type == "cpu"
+                and param.data.data_ptr() != storage.data_ptr() and param.data.shape == storage.shape):
+            storage.copy_(param.data)
+            return
+        return original_update(self)
+
+    @functools.wraps(original_post_init)
+    def post_init(self):
+        original_post_init(self)
+        client = coproc.CLIENT
+        if client is None:
+            return
+        for i, mod in enumerate(self.module_offloaders):
+            for name, po in mod._param_offloaders.items():
+                owner = mod.module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else mod.module
+                if (name.endswith(".weight") and isinstance(getattr(owner, "quant_method", None), linear.UnquantizedLinearMethod)
+                        and po._cpu_storage is not None and po._cpu_storage.ndim == 2 and client.holds(po._cpu_storage)):
+                    # the first prefetch_step layers are prefetched across steps, before the next step's size is known
+                    owner._coproc_product = po._coproc_product = client.add_product(po._cpu_storage, i < self.prefetch_step)
+        threads = client.publish()
+        logger.info("coprocessor: %d products of %d streamed layers split with the CPU pod (%d threads) for steps "
+                    "of up to %d tokens; weights %.2f GB in its region", len(client.products), len(self.module_offloaders),
+                    threads, client.max_rows, client.used / 1e9)
+
+    def start_onload_to_static(self):
+        # upstream's body, with the rows of each copy chosen per parameter
+        self._prefetch_in_capture = torch.cuda.is_current_stream_capturing()
+        fork_event = torch.cuda.Event()
+        torch.cuda.current_stream().record_event(fork_event)
+        self.copy_stream.wait_event(fork_event)
+        with torch.cuda.stream(self.copy_stream):
+            for po in self._param_offloaders.values():
+                src, dst = po._cpu_storage, po._gpu_buffer
+                j = getattr(po, "_coproc_product", None)
+                if j is not None and coproc.CLIENT is not None:
+                    rows = coproc.CLIENT.prefetch_rows(j)
+                    src, dst = src[:rows], dst[:rows]
+                dst.copy_(src, non_blocking=True)
+        self._copy_done_event.record(self.copy_stream)
+        self._event_valid_for_eager = not torch.cuda.is_current_stream_capturing()
+
+    @functools.wraps(original_apply)
+    def apply(self, layer, x, bias=None):
+        j = getattr(layer, "_coproc_product", None)
+        if j is None:
+            return original_apply(self, layer, x, bias)
+        out = torch.ops.hybrid.coproc_linear(x, layer.weight, j)
+        return out if bias is None else out + bias
+
+    offloader_cls.wrap_modules, offloader_cls.post_init = wrap_modules, post_init
+    param_cls._offload_to_cpu_internal, param_cls._update_cpu_storage_from_param = (
+        _offload_to_cpu_internal, _update_cpu_storage_from_param)
+    module_cls.start_onload_to_static = start_onload_to_static
+    linear.UnquantizedLinearMethod.apply = apply
+    loader_utils.device_loading_context = device_loading_context
+    APPLIED.append("PrefetchOffloader + UnquantizedLinearMethod.apply(coprocessor: weights in the CPU pod's "
+                   "region, products split with it)")
+
+
 def patch_check_offloader(gpu_worker) -> None:
     # vllm.v1.worker.gpu_worker.Worker.load_model: vLLM 0.26 silently ignores offload flags it cannot
     # honour (Model Runner V2 ignores --offload-group-size and --cpu-offload-gb and keeps every weight
@@ -423,6 +542,11 @@ def apply_all() -> list[str]:
         patch_check_offloader(gpu_worker)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
+    if not current_platform.is_cpu() and os.environ.get("HYBRID_COPROC_SOCKET"):
+        from vllm.model_executor.layers import linear
+        from vllm.model_executor.model_loader import utils as loader_utils
+        from vllm.model_executor.offloader import prefetch
+        patch_coprocessor(prefetch, linear, loader_utils)
     from . import gemm_split
     if current_platform.is_cpu() and gemm_split.enabled():
         from vllm.model_executor.layers import utils as layer_utils

@@ -11,7 +11,7 @@ import yaml
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 DEVICES = ("gpu", "cpu")
-STRATEGIES = ("pipeline", "offload", "balanced", "auto")
+STRATEGIES = ("pipeline", "offload", "balanced", "coprocessor", "auto")
 OFFLOAD_BACKENDS = ("prefetch", "uva")  # vLLM's two weight offloaders (strategy offload)
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|)$")
 _SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,

@@ -30,6 +30,8 @@ CPU_RUNTIME_RESERVE = 3 * GiB
 # offload: vLLM's prefetch offloader keeps static GPU buffers for prefetch_step (1) streamed layer
 # (vllm/model_executor/offloader/prefetch.py, StaticBufferPool slot_capacity)
 PREFETCH_BUFFER_LAYERS = 1
+# coprocessor: the same offloader two layers ahead (the CPU's and the copy's times per layer vary by product)
+COPROC_PREFETCH_STEP = 2
 # balanced: weights in flight in the GEMM helper's ring per CPU worker (about two decoder layers ahead),
 # and with its miss buffer the device buffers it holds
 HELPER_RING = int(os.environ.get("HYBRID_GEMM_RING", "8"))
@@ -240,10 +242,11 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
             raise PlanError(f"stages: {n} stages but the model has only {total} layers")
         budgets = [stage_budget(s, gpu_memory_bytes) - beside[i] for i, s in enumerate(plan.stages)]
         capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // per_layer) for i, b in enumerate(budgets)]
-        if strategy == "offload" and gpus and len(gpus) < n:
-            # beside its own layers' weights: every layer it may serve's KV, both ends, one prefetch buffer
+        if strategy in ("offload", "coprocessor") and gpus and len(gpus) < n:
+            # beside its own layers' weights: every layer it may serve's KV, both ends, the prefetch buffers
+            buffers = COPROC_PREFETCH_STEP if strategy == "coprocessor" else PREFETCH_BUFFER_LAYERS
             reserved = (2 * shape.embedding_bytes + (total - len(gpus) + 1) * min_kv_per_layer
-                        + PREFETCH_BUFFER_LAYERS * shape.layer_bytes)
+                        + buffers * shape.layer_bytes)
             for g in gpus:
                 capacity[g] = max(0, (budgets[g] - reserved) // shape.layer_bytes)
         counts = _assign(plan.stages, capacity, total)

@@ -8,7 +8,11 @@ offload   GPU stages only: the CPU stages' layers stay in the GPU pod's host RAM
 balanced  Both at once: every CPU stage computes its layers, and each of its matrix products is split
           row-wise with the GEMM helper of a GPU stage (gemm_split.py), which streams its share of the
           weights over PCIe while the CPU reads the rest from DRAM.
-auto      Whichever of the three the cost model predicts fastest for the plan's expected workload.
+coprocessor  GPU stages compute every layer, streaming the CPU stages' layers with vLLM's prefetch
+          offloader from a region each CPU stage owns (one copy); for decode-sized steps every product of
+          those layers is split row-wise with the CPU stage, which computes its rows from the same memory
+          (coproc.py). Prompt chunks stream whole layers: attention and KV stay on the GPU.
+auto      Whichever of these the cost model predicts fastest for the plan's expected workload.
 
 Pure: a function of the plan, its layer split and the hardware figures, like the planner.
 """
@@ -42,6 +46,10 @@ class Hardware:
     split_call_s: float = 0.0001         # balanced: fixed cost of one split GEMM (socket round trip, sync)
     split_token_s_per_gb: float = 6e-5      # balanced: each token of a decode step, per GB of the stage's weights
     split_prefill_s_per_gb: float = 2.5e-5  # balanced: each prompt token (copies, attention, norms on the CPU)
+    coproc_gbs: float = 100.0            # coprocessor: a decode step's streamed layers, PCIe and CPU rows together
+    coproc_call_s: float = 0.00005       # coprocessor: each split product's hand-over (memops, io copies)
+    coproc_token_s: float = 0.0005       # coprocessor: each token of a split step (the CPU rows grow with it)
+    coproc_max_rows: int = 64            # coprocessor: larger steps stream whole layers (coproc.DEFAULT_SHARES)
     # (the split_* figures: gpu_bench-onecopy.json, one weight copy on 2 MiB pages)
 
 
@@ -69,6 +77,7 @@ class Layout:
     layers: tuple[int, ...]
     offload_bytes: tuple[int, ...]
     helpers: tuple[int | None, ...] = ()  # balanced: the plan stage whose GEMM helper each stage uses
+    servers: tuple[tuple[int, int], ...] = ()  # coprocessor: (cpu stage, the gpu stage it computes products for)
 
     def helper_of(self, stage: int) -> int | None:
         return self.helpers[self.stages.index(stage)] if self.helpers else None
@@ -100,13 +109,15 @@ def layout(plan: Plan, split: Split, strategy: str) -> Layout:
     everyone = tuple(range(len(counts)))
     gpus = [i for i, s in enumerate(plan.stages) if not s.is_cpu]
     if strategy == "pipeline" or not gpus:
-        if strategy in ("offload", "balanced"):
+        if strategy in ("offload", "balanced", "coprocessor"):
             raise PlanError(f"strategy: {strategy} needs a gpu stage to stream layers to")
         return Layout("pipeline", everyone, tuple(counts), (0,) * len(counts))
     if strategy == "balanced":
         helpers = tuple(streaming_gpu(plan.stages, i) if plan.stages[i].is_cpu else None for i in everyone)
         return Layout("balanced", everyone, tuple(counts), (0,) * len(counts), helpers)
     lb = split.shape.layer_bytes
+    servers = tuple((i, streaming_gpu(plan.stages, i)) for i in everyone if plan.stages[i].is_cpu) \
+        if strategy == "coprocessor" else ()
     layers, streamed = dict.fromkeys(everyone, 0), dict.fromkeys(everyone, 0)
     for i in everyone:
         if not plan.stages[i].is_cpu:
@@ -115,7 +126,8 @@ def layout(plan: Plan, split: Split, strategy: str) -> Layout:
         g = streaming_gpu(plan.stages, i)
         layers[g], streamed[g] = layers[g] + counts[i], streamed[g] + counts[i] * lb
     keep = [i for i in everyone if layers[i]]
-    return Layout(strategy, tuple(keep), tuple(layers[i] for i in keep), tuple(streamed[i] for i in keep))
+    return Layout(strategy, tuple(keep), tuple(layers[i] for i in keep), tuple(streamed[i] for i in keep),
+                  servers=servers)
 
 
 @dataclass(frozen=True)
@@ -188,6 +200,14 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
                         + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
                         c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
             prefill += prompt * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12)
+        elif lay.offload_bytes[k] and lay.strategy == "coprocessor":
+            stream = lay.offload_bytes[k] / (hw.prefetch_pcie_gbs * 1e9)  # prompt chunks: whole layers
+            prefill += chunks * stream + prompt * hw.prefetch_token_s
+            if c <= hw.coproc_max_rows:
+                products = 4 * round(lay.offload_bytes[k] / shape.layer_bytes)
+                step += lay.offload_bytes[k] / (hw.coproc_gbs * 1e9) + products * hw.coproc_call_s + c * hw.coproc_token_s
+            else:
+                step += stream + c * hw.prefetch_token_s
         elif lay.offload_bytes[k] and plan.offload_backend == "prefetch":
             stream = lay.offload_bytes[k] / (hw.prefetch_pcie_gbs * 1e9)  # once per step, whatever its tokens
             step += stream + c * hw.prefetch_token_s
@@ -245,9 +265,13 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
     candidates = ["pipeline"]
     if any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages):
         candidates += ["offload", "balanced"] if shared_shm else ["offload"]
-        if plan.strategy == "balanced" and not shared_shm:
-            raise PlanError("strategy: balanced needs the stages of a replica to share /dev/shm "
-                            "(sharedMemory.mode hostPath): the cpu stages talk to the GEMM helper there")
+        if plan.strategy == "coprocessor" and shared_shm:
+            candidates.append("coprocessor")  # not one of auto's until its cost model is fitted to a bench run
+        if plan.strategy in ("balanced", "coprocessor") and not shared_shm:
+            raise PlanError(f"strategy: {plan.strategy} needs the stages of a replica to share /dev/shm "
+                            "(sharedMemory.mode hostPath): the cpu and gpu stages meet there")
+        if plan.strategy == "coprocessor" and any(s.tensor_parallel > 1 for s in plan.stages if not s.is_cpu):
+            raise PlanError("strategy: coprocessor needs tensor_parallel 1 on the gpu stages")
     lays = {name: layout(plan, split, name) for name in candidates}
     if api_stage is not None:
         lays = {name: lay for name, lay in lays.items() if lay.stages[0] == api_stage}

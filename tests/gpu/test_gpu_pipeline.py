@@ -128,6 +128,39 @@ def test_offload_identity(tiny, backend):
     assert got == ref
 
 
+LONG_PROMPT = " ".join(["the gpu streams every row of a prompt chunk while the cpu waits"] * 12)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_coprocessor_identity(tiny, graphs):
+    """strategy coprocessor: the GPU stage runs every layer; the 3 streamed ones live in the CPU stage's
+    region, and each of their products is split with the CPU stage's product server: decode steps and
+    short prompts split rows (memops; captured in CUDA graphs with `graphs`), the long prompt streams
+    whole layers. Greedy tokens equal single-process vLLM."""
+    prompts = [*PROMPTS, LONG_PROMPT]
+    ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    name = f"f32-coproc-{'graphs' if graphs else 'eager'}"
+    plan = {"model": str(tiny), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "coprocessor",
+            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
+            **local_ports()}
+    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"])) as pipe:
+        ready = pipe.wait_ready()
+        got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})["choices"][0]["token_ids"]
+               for p in prompts]
+    gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
+    cpu_log = (OUT / name / "stage-1.log").read_text(errors="replace")
+    split = next((line.split("coprocessor: ", 1)[1] for line in gpu_log.splitlines()
+                  if "products of" in line and "coprocessor: " in line), "")
+    RESULTS[f"float32_coprocessor_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "split": split,
+                                              "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
+    assert "Offloader set to PrefetchOffloader" in gpu_log
+    assert split.startswith("12 products of 3 streamed layers"), split
+    assert got == ref
+
+
 @pytest.mark.gpu2
 def test_tensor_parallel_2_on_a_gpu_stage_and_a_cpu_stage(tiny):
     """Two GPUs (nvidia-h200-x2): stage 0 TP 2 on CUDA (PyNccl inside the stage), stage 1 TP 2 on the CPU."""

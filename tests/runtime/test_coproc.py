@@ -1,6 +1,7 @@
-"""The co-processor's CPU side against its protocol: a thread plays the GPU stream (stores x and the request
-word, waits for done, reads y), the server computes rows [n0, N) from a shared memfd region in another
-process, as it does in a CPU pod. The GPU's end (memops in CUDA graphs) runs in tests/gpu."""
+"""The co-processor's CPU side against its protocol: the test plays the GPU stream (stores x, the product and
+the request word, waits for done, reads y), the server computes rows [n0, N) from a shared memfd region in
+another process, as it does in a CPU pod. The GPU's end (memops in CUDA graphs) runs in tests/gpu."""
+import socket
 import subprocess
 import sys
 import time
@@ -8,36 +9,22 @@ import time
 import pytest
 import torch
 from vllm_hybrid import coproc, hostmem
+from vllm_hybrid.gemm_split import recv_msg, send_msg
 
 SHAPES = [(96, 64), (64, 96), (160, 64)]
-
-
-SERVER = """
-import os, sys, torch
-from vllm_hybrid import coproc, hostmem
-wfd, iofd, shapes, max_rows = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3]), int(sys.argv[4])
-wmap, _ = hostmem.open_fd(wfd)
-iomap, _ = hostmem.open_fd(iofd)
-flat = torch.frombuffer(wmap, dtype=torch.float32, count=sum(n * k for n, k in shapes))
-ws, off = [], 0
-for n, k in shapes:
-    ws.append(flat[off:off + n * k].view(n, k))
-    off += n * k
-io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(shapes, max_rows, 4),
-                    torch.float32)
-print(coproc.serve(ws, io, list(range(len(shapes))), stop=lambda: io.raw[-1].item() == 7, idle_check=0.05))
-"""
 
 
 def _gpu_play(io, j, x, n, n0, timeout=20.0):
     """What the GPU stream does for product j (GpuSide.linear, without the GPU rows)."""
     rows, k = x.shape
+    w = io.words
     io.x(j, rows, k).copy_(x)
-    io.req[j] = coproc.encode(rows, n0)
+    w[coproc.PRODUCT] = j
+    w[coproc.REQ] = coproc.encode(rows, n0)
     end = time.monotonic() + timeout
-    while io.done[j] != 1:
+    while w[coproc.DONE] != 1:
         assert time.monotonic() < end, "server did not answer"
-    io.done[j] = 0
+    w[coproc.DONE] = 0
     return io.y(j, rows, n - n0).clone()
 
 
@@ -50,37 +37,78 @@ def test_encode_round_trip_and_bounds():
         coproc.encode(4, 17)
 
 
-def test_io_layout_keeps_buffers_apart():
+def test_io_layout_keeps_words_and_buffers_apart():
     lay = coproc.IoLayout.for_shapes([(6144, 4096), (4096, 14336)], max_rows=64)
-    assert lay.x_offset(0) >= lay.flags_bytes
+    assert lay.flags_bytes == 3 * coproc.LINE and lay.x_offset(0) == lay.flags_bytes
     assert lay.x_offset(1) - lay.x_offset(0) == 64 * 14336 * 2
     assert lay.y_offset(0) == lay.x_offset(0) + 2 * lay.x_bytes
     assert lay.y_offset(1) + lay.y_bytes == lay.nbytes
 
 
-def test_server_computes_the_cpu_rows_of_every_product_in_order():
+def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
+    """`python -m vllm_hybrid.coproc` as a CPU pod runs it: the regions it hands over, the manifest, products
+    of steps of any size in any order, and its exit once the GPU stage's connection closes."""
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]
-    wreg = hostmem.allocate("test-coproc-w", sum(n * k for n, k in SHAPES) * 4, pages="shmem")
-    flat = torch.frombuffer(wreg.map, dtype=torch.float32, count=sum(n * k for n, k in SHAPES))
-    flat.copy_(torch.cat([w.flatten() for w in weights]))
-    layout = coproc.IoLayout.for_shapes(SHAPES, max_rows=8, elem=4)
-    ioreg = hostmem.allocate("test-coproc-io", layout.nbytes + 1, pages="shmem")
-    io = coproc.IoViews(torch.frombuffer(ioreg.map, dtype=torch.uint8), layout, torch.float32)
-    # a fresh process, as in a CPU pod, given the two regions' descriptors
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(wreg.fd), str(ioreg.fd), repr(SHAPES), "8"],
-                            pass_fds=(wreg.fd, ioreg.fd), stdout=subprocess.PIPE, text=True)
+    path = str(tmp_path / "s.coproc")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.coproc", "--socket", path, "--pages", "shmem"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        end = time.monotonic() + 60
+        while True:
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.monotonic() < end and proc.poll() is None, "server did not listen"
+                time.sleep(0.1)
+        total = sum(n * k for n, k in SHAPES) * 4
+        send_msg(sock, {"weights_bytes": total})
+        reply = recv_msg(sock, max_fds=1)
+        wmap, size = hostmem.open_fd(reply["fds"][0])
+        assert size >= total and "shmem" in reply["describe"]
+        flat = torch.frombuffer(wmap, dtype=torch.float32, count=total // 4)
+        flat.copy_(torch.cat([w.flatten() for w in weights]))  # what the GPU worker's loader does
+        offsets = [sum(n * k for n, k in SHAPES[:j]) * 4 for j in range(len(SHAPES))]
+        send_msg(sock, {"dtype": "float32", "max_rows": 8, "products": [[o, n, k] for o, (n, k) in zip(offsets, SHAPES)]})
+        reply = recv_msg(sock, max_fds=1)
+        iomap, _ = hostmem.open_fd(reply["fds"][0])
+        io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(SHAPES, 8, 4),
+                            torch.float32)
         calls = 0
-        for step, rows in enumerate([1, 8, 3, 1]):  # steps of different sizes, the same order of products
-            for j, (n, k) in enumerate(SHAPES):
+        for step, rows in enumerate([1, 8, 3, 1]):  # steps of different sizes, products in any order
+            for j, (n, k) in reversed(list(enumerate(SHAPES))) if step % 2 else enumerate(SHAPES):
                 x = torch.randn(rows, k)
                 n0 = [16, 48, 0, 32][(j + step) % 4]
-                y = _gpu_play(io, j, x, n, n0)
-                torch.testing.assert_close(y, x @ weights[j][n0:].t())
+                torch.testing.assert_close(_gpu_play(io, j, x, n, n0), x @ weights[j][n0:].t())
                 calls += 1
-        io.raw[-1] = 7  # tell the server to stop at its next idle check
+        sock.close()  # the GPU stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 0 and int(out) == calls
+    assert proc.returncode == 0, out
+    assert f"closed the connection after {calls} products" in out
+
+
+def test_shares_pick_the_gpu_rows_by_step_size():
+    assert coproc.parse_shares("16:0.55,4:0.5") == [(4, 0.5), (16, 0.55)]
+    for bad in ("4:1.5", "x", "0:0.5", f"{coproc.MAX_ROWS + 1}:0.5"):
+        with pytest.raises(ValueError, match=coproc.SHARES_ENV):
+            coproc.parse_shares(bad)
+    assert coproc.rows_of(4096, 0.5) == 2048 and coproc.rows_of(32, 0.01) == 16 and coproc.rows_of(32, 0.99) == 16
+
+
+def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
+    client = coproc.Client("4:0.5,64:0.75")
+    inner = client.add_product(torch.empty(1024, 8), boundary=False)
+    edge = client.add_product(torch.empty(1024, 8), boundary=True)
+    assert client.max_rows == 64
+    client.rows = 3
+    assert client.prefetch_rows(inner) == client.n0(inner, 3) == 512
+    client.rows = 64
+    assert client.prefetch_rows(inner) == 768
+    client.rows = 65  # a prompt chunk: the whole weight streams
+    assert client.prefetch_rows(inner) == 1024
+    # prefetched before the next step's size is known: the same rows whatever it is
+    assert {client.prefetch_rows(edge), client.n0(edge, 1), client.n0(edge, 64)} == {coproc.rows_of(1024, coproc.BOUNDARY_SHARE)}

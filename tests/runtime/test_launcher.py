@@ -166,3 +166,44 @@ def test_a_balanced_gpu_stage_leaves_its_helper_room_on_the_gpu():
     share = 0.8 - helper_gpu_bytes(plan, model_shape(LLAMA_8B), 0) / (80 << 30)
     # GPU first: the cpu stage holds the LM head, the biggest weight, so each ring slot is that big
     assert 0.6 < share < 0.7 and flag(argv, "--gpu-memory-utilization") == str(round(share, 4))
+
+
+def test_coprocessor_gpu_stage_streams_from_the_cpu_stages_server():
+    from vllm_hybrid.strategy import resolve_split
+    plan = plan_from_dict({**PLAN, "strategy": "coprocessor"})
+    split, lay, _ = resolve_split(plan, model_shape(LLAMA_8B))
+    assert lay.stages == (0,) and lay.layers == (32,) and lay.servers == ((1, 0),)
+    ident = identity_from_env({"HYBRID_MASTER_ADDR": "m", "HYBRID_REPLICA": "3"}, stage=0)
+    env = {"HYBRID_INSTANCE": "x", "HYBRID_SHM_DIR": "/shm"}
+    rec = resolve_stage(plan, split, ident, env, lay)
+    argv = vllm_command(plan, rec, ident, python="py")
+    # 16 of 32 layers streamed: every other one, two layers ahead
+    assert [flag(argv, f) for f in ("--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step")] \
+        == ["2", "1", "2"]
+    child = vllm_env(plan, rec, ident, None, {})
+    assert child["HYBRID_COPROC_SOCKET"] == "/shm/hybrid-x-r3-s1.coproc"
+    assert int(child["HYBRID_COPROC_BYTES"]) >= 16 * split.shape.layer_bytes
+    assert child["HYBRID_EXPECT_OFFLOADER"] == "PrefetchOffloader"
+
+
+def test_coprocessor_refuses_what_it_cannot_run():
+    from vllm_hybrid.strategy import resolve_split
+    with pytest.raises(PlanError, match="coprocessor needs the stages of a replica to share /dev/shm"):
+        resolve_split(plan_from_dict({**PLAN, "strategy": "coprocessor"}), model_shape(LLAMA_8B), shared_shm=False)
+    cpu_only = {**PLAN, "strategy": "coprocessor", "stages": [PLAN["stages"][1], {**PLAN["stages"][1], "name": "c2"}]}
+    with pytest.raises(PlanError, match="coprocessor needs a gpu stage"):
+        resolve_split(plan_from_dict(cpu_only), model_shape(LLAMA_8B))
+
+
+def test_cli_coprocessor_cpu_stage_runs_the_product_server(tiny_llama, tmp_path):
+    plan = {**PLAN, "model": str(tiny_llama), "dtype": "float32", "max_model_len": 512, "strategy": "coprocessor",
+            "stages": [{"name": "gpu", "device": "gpu", "layers": 2}, {"name": "cpu", "device": "cpu", "layers": 2,
+                                                                      "cpus": 2, "memory": "4Gi"}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "HYBRID_CPUS": "0-1", "HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
+    r = run_cli("serve", "--plan", str(path), "--stage", "1", "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
+    assert resolved["role"] == "coprocessor" and resolved["for_stage"] == 0 and resolved["cpus"] == "0-1"
+    assert f"-m vllm_hybrid.coproc --socket {tmp_path}/hybrid-t-r0-s1.coproc" in r.stdout
