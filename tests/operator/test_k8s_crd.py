@@ -74,13 +74,25 @@ INVALID = [
     ("port-in-extra-args", body_with(serving={"extraArgs": ["--port", "1"]}), "spec.serving.extraArgs"),
     ("name-too-long-for-statefulsets", body_with(name="x" * 50), "metadata.name plus spec.stages[].name"),
     ("offload-without-gpu-stage", body_with(strategy="offload", stages=[CPU], sharedMemory={"mode": "none"}),
-     "spec.strategy offload and balanced need a gpu stage"),
+     "spec.strategy offload, balanced and coprocessor need a gpu stage"),
     ("balanced-without-cpu-stage", body_with(strategy="balanced", stages=stages(1)),
-     "spec.strategy offload and balanced need a gpu stage and a cpu stage"),
+     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+    ("coprocessor-without-cpu-stage", body_with(strategy="coprocessor", stages=stages(1)),
+     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+    ("coprocessor-only-gpu-stages", body_with(strategy="coprocessor", stages=[GPU, dict(GPU, name="gpu2")]),
+     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+    ("coprocessor-without-gpu-stage", body_with(strategy="coprocessor", stages=[CPU]),
+     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
     ("balanced-without-shared-dev-shm", body_with(strategy="balanced", sharedMemory={"mode": "none"}),
      "spec.strategy balanced needs spec.sharedMemory.mode hostPath"),
+    ("coprocessor-without-shared-dev-shm", body_with(strategy="coprocessor", sharedMemory={"mode": "none"}),
+     "spec.strategy coprocessor needs spec.sharedMemory.mode hostPath"),
+    ("coprocessor-tensor-parallel-2", body_with(strategy="coprocessor", stages=stages(2, tp=2)),
+     "spec.strategy coprocessor needs spec.stages[].tensorParallel 1"),
     ("offload-cpu-stage-first", body_with(strategy="offload", stages=[CPU, GPU]),
-     "spec.strategy offload needs spec.stages[0] to be a gpu stage"),
+     "spec.strategy offload and coprocessor need spec.stages[0] to be a gpu stage"),
+    ("coprocessor-cpu-stage-first", body_with(strategy="coprocessor", stages=[CPU, GPU]),
+     "spec.strategy offload and coprocessor need spec.stages[0] to be a gpu stage"),
     ("workload-longer-than-max-model-len", body_with(workload={"promptTokens": 4000, "outputTokens": 97}),
      "spec.workload.promptTokens + spec.workload.outputTokens must not exceed spec.model.maxModelLen"),
     ("workload-prompt-alone-longer-than-max-model-len",
@@ -155,6 +167,12 @@ VALID = {
     "auto-gpu-only": make_body(strategy="auto", stages=stages(1), workload={}),
     "balanced-shared-memory-defaulted": make_body(strategy="balanced"),  # sharedMemory {} -> mode hostPath
     "balanced-cpu-stage-first": make_body(strategy="balanced", stages=[CPU, GPU], sharedMemory={"sizeLimit": "1Gi"}),
+    "coprocessor-shared-memory-defaulted": make_body(strategy="coprocessor"),  # sharedMemory {} -> mode hostPath
+    "coprocessor-three-stages-layers-hugepages": make_body(
+        strategy="coprocessor", sharedMemory={"mode": "hostPath"}, stages=[
+            *stages(2, layers=True),
+            dict(CPU, name="cpu2", layers=8, numaNode=1,
+                 resources={"limits": {"hugepages-2Mi": "8Gi"}, "requests": {"hugepages-2Mi": "8Gi"}})]),
     "stage-env": make_body(stages=[
         dict(GPU, env=[{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"}, {"name": "http_proxy", "value": ""}]),
         dict(CPU, env=[{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "_FLAG"},  # value defaults to ""
@@ -220,6 +238,35 @@ def test_balanced_needs_hostpath_shared_memory_and_says_why(server):
         assert validate(server, make_body(strategy=strategy, sharedMemory={"mode": "none"})) == [], strategy
     for shared_memory in ({}, {"mode": "hostPath"}):  # the defaulted mode is hostPath
         assert validate(server, make_body(strategy="balanced", sharedMemory=shared_memory)) == []
+
+
+def test_coprocessor_needs_hostpath_shared_memory_and_says_why(server):
+    """The cpu pods hand their weight and io regions to the gpu pod over a socket in the replica's /dev/shm."""
+    errors = validate(server, make_body(strategy="coprocessor", sharedMemory={"mode": "none", "sizeLimit": "1Gi"}))
+    assert len(errors) == 2, errors  # the whole message and its one cause
+    assert errors[1].startswith("spec.sharedMemory.mode: ") and errors[1].endswith(
+        "spec.strategy coprocessor needs spec.sharedMemory.mode hostPath (the cpu stages hand their weights to the "
+        "gpu pod over a socket in the shared /dev/shm)"), errors
+    for strategy in ("pipeline", "offload", "auto"):  # balanced and coprocessor need the shared /dev/shm
+        assert validate(server, make_body(strategy=strategy, sharedMemory={"mode": "none"})) == [], strategy
+    for shared_memory in ({}, {"mode": "hostPath"}):  # the defaulted mode is hostPath
+        assert validate(server, make_body(strategy="coprocessor", sharedMemory=shared_memory)) == []
+
+
+def test_coprocessor_needs_a_gpu_stage_0_with_a_cpu_stage_and_one_gpu_per_stage(server):
+    """Only gpu stages run vLLM's layers under coprocessor; stage 0 serves the API; products split on one GPU."""
+    assert validate(server, make_body(strategy="coprocessor", stages=stages(3))) == []
+    errors = validate(server, make_body(strategy="coprocessor", stages=[CPU, GPU]))
+    assert [e for e in errors[1:] if e.startswith("spec.strategy:")] == [
+        "spec.strategy: Invalid value: spec.strategy offload and coprocessor need spec.stages[0] to be a "
+        "gpu stage (stage 0 serves the API, and only gpu stages run vLLM's layers)"], errors
+    errors = validate(server, make_body(strategy="coprocessor", stages=stages(1)))
+    assert len(errors) == 2 and "need a gpu stage and a cpu stage" in errors[1], errors
+    errors = validate(server, make_body(strategy="coprocessor", stages=stages(3, tp=2)))
+    assert len(errors) == 2 and errors[1].startswith("spec.stages: ") and errors[1].endswith(
+        "spec.strategy coprocessor needs spec.stages[].tensorParallel 1 on the gpu stages (for now)"), errors
+    for strategy in ("pipeline", "offload", "balanced", "auto"):  # only coprocessor limits tensorParallel
+        assert validate(server, make_body(strategy=strategy, stages=stages(3, tp=2))) == [], strategy
 
 
 def test_unknown_fields_are_pruned_when_the_client_does_not_ask_for_strict(server):

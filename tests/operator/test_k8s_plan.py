@@ -8,7 +8,7 @@ import yaml
 from hi_fixtures import ROOT, make_body, stages
 from hybrid_operator.defaults import with_defaults
 from hybrid_operator.plan import WORKLOAD_KEYS, layer_ranges, render_plan, stages_summary
-from hybrid_operator.strategy import offloaded_stages, running_layers, streamed_stages
+from hybrid_operator.strategy import offloaded_stages, running_layers, running_stages, streamed_stages
 
 
 def documented_keys():
@@ -97,7 +97,7 @@ def test_layer_ranges():
     st[2] = dict(st[0], name="gpu2", layers=4)  # gpu cpu gpu2 cpu3: each cpu stage goes to the gpu before it
     assert stages_summary(make_body(strategy="offload", stages=st)["spec"]) == "gpu:16 gpu2:12"
     assert layer_ranges(make_body(strategy="offload", stages=st)["spec"]) == ["0-15", "16-27"]
-    for strategy in ("balanced", "auto"):  # every stage runs
+    for strategy in ("balanced", "coprocessor", "auto"):  # every stage runs
         assert layer_ranges(make_body(strategy=strategy, stages=stages(3, layers=True))["spec"]) == \
             ["0-7", "8-15", "16-23"]
 
@@ -116,10 +116,10 @@ def test_balanced_stages_compute_their_own_layers():
     assert stages_summary(offload) == "gpu:16 gpu2:16"
 
 
-def test_streamed_stages_cover_offload_and_balanced_offloaded_stages_only_offload():
+def test_streamed_stages_cover_offload_balanced_and_coprocessor_offloaded_stages_only_offload():
     st = stages(4)
     st[2] = dict(st[0], name="gpu2")
-    for strategy in ("offload", "balanced"):
+    for strategy in ("offload", "balanced", "coprocessor"):
         spec = with_defaults(make_body(strategy=strategy, stages=st)["spec"])
         assert [streamed_stages(spec, i) for i in range(4)] == [[1], [], [3], []]
         assert [offloaded_stages(spec, i) for i in range(4)] == \
@@ -129,6 +129,19 @@ def test_streamed_stages_cover_offload_and_balanced_offloaded_stages_only_offloa
         assert [streamed_stages(spec, i) for i in range(4)] == [[], [], [], []]
     spec = with_defaults(make_body(strategy="balanced", stages=[st[1], st[0], st[3]])["spec"])  # cpu gpu cpu3
     assert [streamed_stages(spec, i) for i in range(3)] == [[], [0, 2], []]  # no gpu before cpu: the first
+
+
+def test_coprocessor_runs_every_stage_each_holding_its_own_layers():
+    """coprocessor: the gpu stage computes every layer, but the cpu stages keep (and help compute) theirs."""
+    st = stages(3, layers=True)
+    st[2]["layers"] = 12
+    spec = with_defaults(make_body(strategy="coprocessor", stages=st)["spec"])
+    assert running_stages(spec) == [0, 1, 2]
+    assert [streamed_stages(spec, i) for i in range(3)] == [[1, 2], [], []]
+    assert [offloaded_stages(spec, i) for i in range(3)] == [[], [], []]
+    assert running_layers(spec) == [8, 8, 12]
+    assert stages_summary(spec) == "gpu:8 cpu:8 cpu2:12" and layer_ranges(spec) == ["0-7", "8-15", "16-27"]
+    assert render_plan(spec)["strategy"] == "coprocessor"
 
 
 def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():

@@ -49,7 +49,7 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
         {"name": "HYBRID_MASTER_ADDR", "value": master_addr(body, settings)},
         # the client Service sends requests to stage 0's pods: `auto` must keep that stage serving
         {"name": "HYBRID_API_STAGE", "value": "0"},
-        # the replica's pods share /dev/shm (hostPath): balanced's GEMM helper needs it, auto checks it
+        # the replica's pods share /dev/shm (hostPath): balanced and coprocessor need it, auto checks it
         {"name": "HYBRID_SHM_SHARED", "value": "1" if spec["sharedMemory"]["mode"] == "hostPath" else "0"},
         _field_env("HYBRID_HOST_IP", "status.podIP"),
         {"name": "HOME", "value": "/tmp"},  # read-only root fs: every tool's dotfiles go to /tmp
@@ -88,7 +88,7 @@ def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
     requests = {**{k: str(v) for k, v in extra.get("requests", {}).items()}, **fixed}
     if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index)):
         # offload: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to the GPU);
-        # balanced's helper streams from the cpu pod's own region, charged to that pod.
+        # balanced's helper and coprocessor's gpu stage stream from the cpu pod's own region, charged to that pod.
         if "memory" in stage:
             limits["memory"] = requests["memory"] = from_bytes(to_bytes(stage["memory"]) + streamed)
         else:  # no limit to grow: reserve the RAM on the node, leave the process itself unbounded
