@@ -128,7 +128,12 @@ def test_offload_identity(tiny, backend):
     assert got == ref
 
 
-LONG_PROMPT = " ".join(["the gpu streams every row of a prompt chunk while the cpu waits"] * 12)
+def long_prompt(model, tokens=200):
+    """More tokens than a split step takes (coproc.DEFAULT_SHARES: 64), well inside max_model_len."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model))
+    ids = tok(" ".join(["the gpu streams every row of a prompt chunk while the cpu waits"] * 40)).input_ids
+    return tok.decode(ids[:tokens], skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -137,7 +142,7 @@ def test_coprocessor_identity(tiny, graphs):
     region, and each of their products is split with the CPU stage's product server: decode steps and
     short prompts split rows (memops; captured in CUDA graphs with `graphs`), the long prompt streams
     whole layers. Greedy tokens equal single-process vLLM."""
-    prompts = [*PROMPTS, LONG_PROMPT]
+    prompts = [*PROMPTS, long_prompt(tiny)]
     ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
     name = f"f32-coproc-{'graphs' if graphs else 'eager'}"
     plan = {"model": str(tiny), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
