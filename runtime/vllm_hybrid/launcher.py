@@ -120,9 +120,13 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
     streamed = lay.offload_bytes[rank]
     servers = [cpu for cpu, gpu in lay.servers if gpu == ident.stage]
     if streamed and (plan.offload_backend == "prefetch" or servers):
-        group, in_group = prefetch_groups(lay.layers[rank], round(streamed / split.shape.layer_bytes))
+        count = round(streamed / split.shape.layer_bytes)
+        group, in_group = prefetch_groups(lay.layers[rank], count)
+        # vLLM's offloader puts streamed layer i in buffer slot i % step and prefetches (i + step) % count:
+        # unless step divides count, the prefetch across steps overwrites a slot a later layer still needs
+        step = COPROC_PREFETCH_STEP if servers and count % COPROC_PREFETCH_STEP == 0 else 1
         flags = ("--offload-group-size", str(group), "--offload-num-in-group", str(in_group),
-                 "--offload-prefetch-step", str(COPROC_PREFETCH_STEP if servers else 1))
+                 "--offload-prefetch-step", str(step))
     elif streamed:
         # per GPU: vLLM offloads this much of each tensor-parallel rank's weights
         # (6 significant digits: a small model's layers round to 0.00 GiB, which vLLM takes as no offload)

@@ -207,3 +207,14 @@ def test_cli_coprocessor_cpu_stage_runs_the_product_server(tiny_llama, tmp_path)
     resolved = json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
     assert resolved["role"] == "coprocessor" and resolved["for_stage"] == 0 and resolved["cpus"] == "0-1"
     assert f"-m vllm_hybrid.coproc --socket {tmp_path}/hybrid-t-r0-s1.coproc" in r.stdout
+
+
+def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_layers():
+    from vllm_hybrid.strategy import resolve_split
+    raw = {**PLAN, "strategy": "coprocessor"}
+    raw["stages"] = [dict(PLAN["stages"][0], layers=17), dict(PLAN["stages"][1], layers=15)]
+    plan = plan_from_dict(raw)
+    split, lay, _ = resolve_split(plan, model_shape(LLAMA_8B))
+    ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=0)
+    argv = vllm_command(plan, resolve_stage(plan, split, ident, {}, lay), ident, python="py")
+    assert flag(argv, "--offload-prefetch-step") == "1" and flag(argv, "--offload-num-in-group") == "15"
