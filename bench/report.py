@@ -10,10 +10,11 @@ from vllm_hybrid.strategy import Hardware, resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
-         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge")
+         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
-          "balanced": ("d-balanced-huge", "d-balanced")}  # what auto runs, measured as (first found)
+          "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc")}
+# (what auto runs, measured as: the first found)
 
 
 def auto_pick(concurrency: int, dram_gbs: float) -> str:
@@ -86,7 +87,7 @@ def main(path="bench/results/gpu_bench.json"):
     configs = [k for k in ORDER if "waves" in r.get(k, {})]
     conc = [w["concurrency"] for w in r[configs[0]]["waves"]]
     at = lambda k, i, f="tok_per_s": r[k]["waves"][i][f]
-    pipes = [k for k in configs if k[0] in "cd"]
+    pipes = [k for k in configs if k[0] in "cde"]
     # the reference: vLLM's prefetch offloader on plain `vllm serve` where it ran, else ours
     ref = next((k for k in ("b-prefetch-plain", "b-offload") if k in configs), None)
     rows = ["| concurrency | " + " | ".join(configs) + f" | best pipeline / {ref} | auto picks | auto / best |",
@@ -97,7 +98,7 @@ def main(path="bench/results/gpu_bench.json"):
         ratio = f"{at(best, i) / b:.2f}x ({best})" if best and b else "-"
         pick = auto_pick(c, dram)
         picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
-        top = max(at(k, i) for k in configs if k[0] in "bcd")
+        top = max(at(k, i) for k in configs if k[0] in "bcde")
         auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"
         rows.append(f"| {c} | " + " | ".join(f"{at(k, i):.2f}" for k in configs) + f" | {ratio} | {pick} | {auto} |")
     rows.append("| TPOT ms, concurrency 1 / 64 | " + " | ".join(

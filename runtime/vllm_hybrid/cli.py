@@ -87,11 +87,12 @@ def build_stage(args, env: dict[str, str]):
         from .launcher import coproc_socket, server_command, server_env
         binding = stage_binding(plan, ident, env)
         sock = coproc_socket(env, ident.replica, ident.stage)
-        argv = numactl_prefix(binding, which("numactl")) + server_command(sock)
+        port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
+        argv = numactl_prefix(binding, which("numactl")) + server_command(sock, port)
         summary = {"stage": ident.stage, "name": plan.stages[ident.stage].name, "strategy": lay.strategy,
                    "role": "coprocessor", "for_stage": served[ident.stage], "socket": sock, "cpus": binding.omp_bind,
                    "numa_node": binding.numa_node}
-        return plan, ident, argv, server_env(binding, env), None, summary
+        return plan, ident, argv, server_env(binding, env, ident.stage, plan.stages[ident.stage].name), None, summary
     if ident.stage not in lay.stages:
         return plan, ident, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
     binding = stage_binding(plan, ident, env)

@@ -105,19 +105,27 @@ class IoViews:
         return self.raw[o:o + rows * n * self.layout.elem].view(self.dtype).view(rows, n)
 
 
-def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5) -> int:
+@dataclass
+class Served:
+    products: int = 0
+    busy_s: float = 0.0  # computing (the rest of the time it waits for the GPU)
+
+
+def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
+          served: Served | None = None) -> int:
     """The CPU pod's loop: wait for a request, compute its rows [n0, N) of product j into y, raise done.
     Returns the number of products served once `stop()` turns true (asked while idle)."""
     words = io.words
-    served = 0
+    served = served or Served()
     while True:
         spins, since = 0, time.monotonic()
         while (word := int(words[REQ])) == 0:
             spins += 1
             if spins % 4096 == 0 and time.monotonic() - since > idle_check:
                 if stop():
-                    return served
+                    return served.products
                 since = time.monotonic()
+        t0 = time.perf_counter()
         words[REQ] = 0
         j = int(words[PRODUCT])
         rows, n0 = decode(word)
@@ -125,7 +133,8 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
         n, k = w.shape
         torch.matmul(io.x(j, rows, k), w[n0:].t(), out=io.y(j, rows, n - n0))
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
-        served += 1
+        served.products += 1
+        served.busy_s += time.perf_counter() - t0
 
 
 class GpuSide:
@@ -166,7 +175,7 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def handle(conn: socket.socket, pages: str | None = None) -> int:
+def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
     """One GPU stage's session: regions, manifest, then products until the connection closes."""
     from .gemm_split import recv_msg, send_msg
     first = recv_msg(conn)
@@ -183,15 +192,34 @@ def handle(conn: socket.socket, pages: str | None = None) -> int:
     send_msg(conn, {"threads": torch.get_num_threads()}, [io_region.fd])
     log.info("serving %d products (%.2f GB) on %d threads", len(ws), sum(w.numel() for w in ws) * dtype.itemsize / 1e9,
              torch.get_num_threads())
-    return serve(ws, io, stop=lambda: _closed(conn))
+    return serve(ws, io, stop=lambda: _closed(conn), served=served)
+
+
+def serve_metrics(port: int, served: Served) -> None:
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    from .stage_metrics import StageMetrics, stage_labels
+    m = StageMetrics(stage_labels())
+    m.info.info({"device": "cpu", "layers": "", "strategy": "coprocessor"})
+    reg: CollectorRegistry = m.registry
+    labels = list(m.labels)
+    Gauge("hybrid_coproc_products", "Matrix products this CPU stage computed rows of for its GPU stage",
+          labels, registry=reg).labels(**m.labels).set_function(lambda: served.products)
+    Gauge("hybrid_coproc_busy_seconds", "Time this CPU stage spent computing products (else waiting for the GPU)",
+          labels, registry=reg).labels(**m.labels).set_function(lambda: served.busy_s)
+    start_http_server(port, registry=reg)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_hybrid.coproc", description="strategy coprocessor: the CPU pod's product server")
     p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
     p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here (the pod's probes check it)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coproc %(levelname)s %(message)s")
+    served = Served()
+    if args.metrics_port:
+        serve_metrics(args.metrics_port, served)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -200,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s (threads %d)", args.socket, torch.get_num_threads())
     conn, _ = srv.accept()
     with conn:
-        served = handle(conn, args.pages)
-    log.info("the GPU stage closed the connection after %d products", served)
+        handle(conn, args.pages, served)
+    log.info("the GPU stage closed the connection after %d products", served.products)
     return 0
 
 

@@ -162,15 +162,15 @@ def helper_command(rec: StageRecord, python: str = sys.executable) -> list[str] 
     return [python, "-m", "vllm_hybrid.gemm_helper", "--socket", rec.helper_socket, "--device", "cuda", *reserve]
 
 
-def server_command(socket_path: str, python: str = sys.executable) -> list[str]:
+def server_command(socket_path: str, metrics_port: int, python: str = sys.executable) -> list[str]:
     """coprocessor, cpu stage: the product server instead of vLLM."""
-    return [python, "-m", "vllm_hybrid.coproc", "--socket", socket_path]
+    return [python, "-m", "vllm_hybrid.coproc", "--socket", socket_path, "--metrics-port", str(metrics_port)]
 
 
-def server_env(binding: CpuBinding, base: dict[str, str]) -> dict[str, str]:
+def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str) -> dict[str, str]:
     """Its torch threads one per core of the stage's binding (libgomp places thread i on the i-th CPU)."""
     return dict(base, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(len(parse_cpulist(binding.omp_bind))),
-                GOMP_CPU_AFFINITY=binding.omp_bind.replace(",", " "))
+                GOMP_CPU_AFFINITY=binding.omp_bind.replace(",", " "), HYBRID_STAGE=str(stage), HYBRID_STAGE_NAME=name)
 
 
 def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sys.executable) -> list[str]:

@@ -46,10 +46,11 @@ class Hardware:
     split_call_s: float = 0.0001         # balanced: fixed cost of one split GEMM (socket round trip, sync)
     split_token_s_per_gb: float = 6e-5      # balanced: each token of a decode step, per GB of the stage's weights
     split_prefill_s_per_gb: float = 2.5e-5  # balanced: each prompt token (copies, attention, norms on the CPU)
-    coproc_gbs: float = 100.0            # coprocessor: a decode step's streamed layers, PCIe and CPU rows together
+    coproc_gbs: float = 85.0             # coprocessor: a decode step's streamed layers, PCIe and CPU rows together
     coproc_call_s: float = 0.00005       # coprocessor: each split product's hand-over (memops, io copies)
     coproc_token_s: float = 0.0005       # coprocessor: each token of a split step (the CPU rows grow with it)
     coproc_max_rows: int = 64            # coprocessor: larger steps stream whole layers (coproc.DEFAULT_SHARES)
+    # (the coproc_* figures: gpu_bench-coproc.json, TPOT 84-91 ms at 1-16, 121 ms at 64)
     # (the split_* figures: gpu_bench-onecopy.json, one weight copy on 2 MiB pages)
 
 
@@ -264,9 +265,7 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
     work = workload_of(plan)
     candidates = ["pipeline"]
     if any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages):
-        candidates += ["offload", "balanced"] if shared_shm else ["offload"]
-        if plan.strategy == "coprocessor" and shared_shm:
-            candidates.append("coprocessor")  # not one of auto's until its cost model is fitted to a bench run
+        candidates += ["offload", "balanced", "coprocessor"] if shared_shm else ["offload"]
         if plan.strategy in ("balanced", "coprocessor") and not shared_shm:
             raise PlanError(f"strategy: {plan.strategy} needs the stages of a replica to share /dev/shm "
                             "(sharedMemory.mode hostPath): the cpu and gpu stages meet there")

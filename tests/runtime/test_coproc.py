@@ -1,15 +1,18 @@
 """The co-processor's CPU side against its protocol: the test plays the GPU stream (stores x, the product and
 the request word, waits for done, reads y), the server computes rows [n0, N) from a shared memfd region in
 another process, as it does in a CPU pod. The GPU's end (memops in CUDA graphs) runs in tests/gpu."""
+import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
 from vllm_hybrid import coproc, hostmem
 from vllm_hybrid.gemm_split import recv_msg, send_msg
+from vllm_hybrid.local import free_port
 
 SHAPES = [(96, 64), (64, 96), (160, 64)]
 
@@ -50,9 +53,10 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
     of steps of any size in any order, and its exit once the GPU stage's connection closes."""
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]
-    path = str(tmp_path / "s.coproc")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.coproc", "--socket", path, "--pages", "shmem"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path, port = str(tmp_path / "s.coproc"), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.coproc", "--socket", path, "--pages", "shmem",
+                             "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu"})
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         end = time.monotonic() + 60
@@ -83,6 +87,8 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
                 n0 = [16, 48, 0, 32][(j + step) % 4]
                 torch.testing.assert_close(_gpu_play(io, j, x, n, n0), x @ weights[j][n0:].t())
                 calls += 1
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert f'hybrid_coproc_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
         sock.close()  # the GPU stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:

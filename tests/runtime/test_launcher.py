@@ -206,7 +206,7 @@ def test_cli_coprocessor_cpu_stage_runs_the_product_server(tiny_llama, tmp_path)
     assert r.returncode == 0, r.stderr
     resolved = json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
     assert resolved["role"] == "coprocessor" and resolved["for_stage"] == 0 and resolved["cpus"] == "0-1"
-    assert f"-m vllm_hybrid.coproc --socket {tmp_path}/hybrid-t-r0-s1.coproc" in r.stdout
+    assert f"-m vllm_hybrid.coproc --socket {tmp_path}/hybrid-t-r0-s1.coproc --metrics-port" in r.stdout
 
 
 def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_layers():
