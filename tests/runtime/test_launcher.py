@@ -218,3 +218,11 @@ def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_l
     ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=0)
     argv = vllm_command(plan, resolve_stage(plan, split, ident, {}, lay), ident, python="py")
     assert flag(argv, "--offload-prefetch-step") == "1" and flag(argv, "--offload-num-in-group") == "15"
+
+
+def test_coprocessor_server_threads_one_per_core_and_passive():
+    from vllm_hybrid.launcher import server_env
+    binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]})
+    env = server_env(binding, {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}, 1, "cpu")
+    assert env["OMP_NUM_THREADS"] == "4" and env["GOMP_CPU_AFFINITY"] == binding.omp_bind.replace(",", " ")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1"
