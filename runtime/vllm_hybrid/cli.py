@@ -38,7 +38,7 @@ def strategy_line(plan, lay, estimates) -> str:
             f"{w.concurrency}, {w.prompt_tokens}+{w.output_tokens} tokens: {guess}")
 
 
-def stage_binding(plan, ident, env):
+def stage_binding(plan, ident, env, reserve: int | None = None):
     """CPU stages: the container's cpuset (HYBRID_CPUS overrides, for local runs) and its NUMA node."""
     from .cpubind import allowed_cpus, numa_nodes, parse_cpulist, plan_binding
     stage = plan.stages[ident.stage]
@@ -53,7 +53,7 @@ def stage_binding(plan, ident, env):
         cpus = cpus[: stage.cpus]
     node = env.get("HYBRID_NUMA_NODE")
     try:
-        return plan_binding(cpus, numa_nodes(), stage.tensor_parallel,
+        return plan_binding(cpus, numa_nodes(), stage.tensor_parallel, reserve,
                             numa_node=int(node) if node not in (None, "") else None)
     except ValueError as e:
         raise PlanError(f"stages[{ident.stage}] ({stage.name}): {e}") from e
@@ -85,7 +85,7 @@ def build_stage(args, env: dict[str, str]):
     served = dict(lay.servers)
     if ident.stage in served:  # coprocessor: this cpu stage computes products for a gpu stage, no vLLM here
         from .launcher import coproc_socket, server_command, server_env
-        binding = stage_binding(plan, ident, env)
+        binding = stage_binding(plan, ident, env, reserve=0)  # no engine loop beside it: every core computes
         sock = coproc_socket(env, ident.replica, ident.stage)
         port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
         argv = numactl_prefix(binding, which("numactl")) + server_command(sock, port)

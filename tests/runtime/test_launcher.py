@@ -198,14 +198,15 @@ def test_coprocessor_refuses_what_it_cannot_run():
 def test_cli_coprocessor_cpu_stage_runs_the_product_server(tiny_llama, tmp_path):
     plan = {**PLAN, "model": str(tiny_llama), "dtype": "float32", "max_model_len": 512, "strategy": "coprocessor",
             "stages": [{"name": "gpu", "device": "gpu", "layers": 2}, {"name": "cpu", "device": "cpu", "layers": 2,
-                                                                      "cpus": 2, "memory": "4Gi"}]}
+                                                                      "cpus": 4, "memory": "4Gi"}]}
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     env = {**os.environ, "HYBRID_CPUS": "0-1", "HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
-    r = run_cli("serve", "--plan", str(path), "--stage", "1", "--dry-run", env=env)
+    r = run_cli("serve", "--plan", str(path), "--stage", "1", "--dry-run", env={**env, "HYBRID_CPUS": "0-3"})
     assert r.returncode == 0, r.stderr
     resolved = json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
-    assert resolved["role"] == "coprocessor" and resolved["for_stage"] == 0 and resolved["cpus"] == "0-1"
+    # every core computes: no engine loop to leave one for
+    assert resolved["role"] == "coprocessor" and resolved["for_stage"] == 0 and resolved["cpus"] == "0-3"
     assert f"-m vllm_hybrid.coproc --socket {tmp_path}/hybrid-t-r0-s1.coproc --metrics-port" in r.stdout
 
 
@@ -222,7 +223,7 @@ def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_l
 
 def test_coprocessor_server_threads_one_per_core_and_passive():
     from vllm_hybrid.launcher import server_env
-    binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]})
+    binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]}, reserve=0)
     env = server_env(binding, {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}, 1, "cpu")
     assert env["OMP_NUM_THREADS"] == "4" and env["GOMP_CPU_AFFINITY"] == binding.omp_bind.replace(",", " ")
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1"
