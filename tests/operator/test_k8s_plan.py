@@ -152,7 +152,8 @@ def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():
 
 
 @pytest.mark.parametrize("n_stages,tp,layers,strategy", [(1, 1, False, "pipeline"), (2, 1, True, "offload"),
-                                                      (3, 2, False, "auto"), (3, 2, True, "balanced")])
+                                                      (3, 2, False, "auto"), (3, 2, True, "balanced"),
+                                                      (2, 1, True, "coprocessor")])
 def test_runtime_loader_accepts_rendered_plans(n_stages, tp, layers, strategy):
     """Contract test: the runtime's own validator reads what the operator renders."""
     from vllm_hybrid.plan import plan_from_dict
