@@ -298,7 +298,8 @@ def planned_stages(strategy: str) -> list[dict]:
     cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
     stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
               {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{gpu_mib}Mi"}]
-    return stages[::-1] if strategy == "offload" else stages  # offload serves from its GPU stage: stage 0
+    # offload and coprocessor compute every layer on the GPU stage, which serves the API: stage 0
+    return stages[::-1] if strategy in ("offload", "coprocessor") else stages
 
 
 def planned_split(strategy: str, **expected):
@@ -316,7 +317,7 @@ def planned_splits() -> dict:
     memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
     gpu_mib, host_mib = box_memory()
     out = {"gpu_mib": gpu_mib, "host_mib": host_mib}
-    for strategy in ("pipeline", "offload", "balanced", "auto"):
+    for strategy in ("pipeline", "offload", "balanced", "coprocessor", "auto"):
         for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
             split, lay, estimates = planned_split(strategy, expected_concurrency=c, expected_prompt_tokens=PROMPT_TOKENS,
                                                   expected_output_tokens=OUTPUT_TOKENS)
@@ -329,7 +330,7 @@ def planned_splits() -> dict:
 
 def run_planned(model, strategy: str, **env):
     """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU)."""
-    return run_pipeline(model, strategy == "offload", strategy, f"planned-{strategy}",
+    return run_pipeline(model, strategy in ("offload", "coprocessor"), strategy, f"planned-{strategy}",
                         stages=planned_stages(strategy), **env)
 
 
@@ -366,6 +367,7 @@ CONFIGS = {
     "p-pipeline": lambda m: run_planned(m, "pipeline"),
     "p-offload": lambda m: run_planned(m, "offload"),
     "p-balanced": lambda m: run_planned(m, "balanced"),  # 4 KiB pages: huge pages for 80 GB need a node set up for them
+    "p-coproc": lambda m: run_planned(m, "coprocessor"),
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,
 }

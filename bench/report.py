@@ -41,7 +41,7 @@ def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
             f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
 
 
-PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-auto", "p-prefetch-plain")
+PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-auto", "p-prefetch-plain")
 
 
 def planned_table(r: dict) -> str:
@@ -53,7 +53,8 @@ def planned_table(r: dict) -> str:
     rows = [f"{plans.get('model')} on {plans.get('gpu_mib')} MiB GPU + {plans.get('host_mib')} MiB host\n",
             "| | " + " | ".join(configs) + " | auto picks | auto / best |", "|---" * (len(configs) + 3) + "|"]
     # the strategy each configuration ran (the prefetch offloader streams offload's split)
-    runs = {k: "offload" if k == "p-prefetch-plain" else plans.get(k[2:], {}).get("runs", k[2:]) for k in configs}
+    strategy_of = {"p-prefetch-plain": "offload", "p-coproc": "coprocessor"}
+    runs = {k: strategy_of.get(k) or plans.get(k[2:], {}).get("runs", k[2:]) for k in configs}
     for i, w in enumerate(r[configs[0]]["waves"] if configs else []):
         c = w["concurrency"]
         speed = {k: r[k]["waves"][i]["decode_tok_per_s"] for k in configs}
