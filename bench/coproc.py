@@ -19,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 from vllm_hybrid import coproc, hostmem
+from vllm_hybrid.cpubind import parse_cpulist as cpus
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 16))
@@ -26,14 +27,6 @@ ROWS = [int(m) for m in os.environ.get("HYBRID_BENCH_MS", "1,4,16,64").split(","
 SHARES = [float(s) for s in os.environ.get("HYBRID_BENCH_SHARES", "0.4,0.5,0.6,0.7").split(",")]
 SERVER_CPUS = os.environ.get("HYBRID_BENCH_SERVER_CPUS", "1-15")
 DT = torch.bfloat16
-
-
-def cpus(spec: str) -> list[int]:
-    out = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
 
 
 def views(region, shapes):
