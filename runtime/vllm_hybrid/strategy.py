@@ -255,6 +255,17 @@ def resolve_split(plan: Plan, shape, gpu_memory_bytes: int | None = None, hw: Ha
     return split, lay, estimates
 
 
+def _coprocessor_refused(plan: Plan) -> str | None:
+    """Why the coprocessor cannot run this plan (None: it can)."""
+    if any(s.tensor_parallel > 1 for s in plan.stages if not s.is_cpu):
+        return "tensor_parallel 1 on the gpu stages"
+    helped = [streaming_gpu(plan.stages, i) for i, s in enumerate(plan.stages) if s.is_cpu]
+    if len(set(helped)) < len(helped):  # a gpu stage's offloader streams from one region
+        return ("one cpu stage per gpu stage (a gpu stage streams from one cpu stage's region); merge the cpu "
+                "stages or put a gpu stage before each")
+    return None
+
+
 def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int | None = None,
             shared_shm: bool = True) -> tuple[Layout, dict[str, float]]:
     """The layout to run and the predicted tokens/s of each candidate at the expected workload.
@@ -265,12 +276,14 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
     work = workload_of(plan)
     candidates = ["pipeline"]
     if any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages):
-        candidates += ["offload", "balanced", "coprocessor"] if shared_shm else ["offload"]
+        candidates += ["offload", "balanced"] if shared_shm else ["offload"]
         if plan.strategy in ("balanced", "coprocessor") and not shared_shm:
             raise PlanError(f"strategy: {plan.strategy} needs the stages of a replica to share /dev/shm "
                             "(sharedMemory.mode hostPath): the cpu and gpu stages meet there")
-        if plan.strategy == "coprocessor" and any(s.tensor_parallel > 1 for s in plan.stages if not s.is_cpu):
-            raise PlanError("strategy: coprocessor needs tensor_parallel 1 on the gpu stages")
+        if shared_shm and not (why := _coprocessor_refused(plan)):
+            candidates.append("coprocessor")
+        elif plan.strategy == "coprocessor":
+            raise PlanError(f"strategy: coprocessor needs {why}")
     lays = {name: layout(plan, split, name) for name in candidates}
     if api_stage is not None:
         lays = {name: lay for name, lay in lays.items() if lay.stages[0] == api_stage}

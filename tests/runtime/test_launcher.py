@@ -227,3 +227,15 @@ def test_coprocessor_server_threads_one_per_core_and_passive():
     env = server_env(binding, {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}, 1, "cpu")
     assert env["OMP_NUM_THREADS"] == "4" and env["GOMP_CPU_AFFINITY"] == binding.omp_bind.replace(",", " ")
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1"
+
+
+def test_coprocessor_needs_one_cpu_stage_per_gpu_stage():
+    from vllm_hybrid.strategy import resolve_split
+    three = {**PLAN, "strategy": "coprocessor",
+             "stages": [dict(PLAN["stages"][0], layers=8), dict(PLAN["stages"][1], layers=12),
+                        dict(PLAN["stages"][1], name="cpu2", layers=12)]}
+    with pytest.raises(PlanError, match="coprocessor needs one cpu stage per gpu stage"):
+        resolve_split(plan_from_dict(three), model_shape(LLAMA_8B))
+    # auto leaves it out of its choices there, and where the gpu stage is tensor-parallel
+    _, _, est = resolve_split(plan_from_dict({**three, "strategy": "auto"}), model_shape(LLAMA_8B))
+    assert "coprocessor" not in est and "balanced" in est
