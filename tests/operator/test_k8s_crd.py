@@ -91,6 +91,8 @@ INVALID = [
      "spec.strategy coprocessor needs spec.stages[].tensorParallel 1"),
     ("offload-cpu-stage-first", body_with(strategy="offload", stages=[CPU, GPU]),
      "spec.strategy offload and coprocessor need spec.stages[0] to be a gpu stage"),
+    ("coprocessor-two-cpu-stages", body_with(strategy="coprocessor", stages=stages(3)),
+     "spec.strategy coprocessor runs one gpu stage and one cpu stage"),
     ("coprocessor-cpu-stage-first", body_with(strategy="coprocessor", stages=[CPU, GPU]),
      "spec.strategy offload and coprocessor need spec.stages[0] to be a gpu stage"),
     ("workload-longer-than-max-model-len", body_with(workload={"promptTokens": 4000, "outputTokens": 97}),
@@ -168,11 +170,10 @@ VALID = {
     "balanced-shared-memory-defaulted": make_body(strategy="balanced"),  # sharedMemory {} -> mode hostPath
     "balanced-cpu-stage-first": make_body(strategy="balanced", stages=[CPU, GPU], sharedMemory={"sizeLimit": "1Gi"}),
     "coprocessor-shared-memory-defaulted": make_body(strategy="coprocessor"),  # sharedMemory {} -> mode hostPath
-    "coprocessor-three-stages-layers-hugepages": make_body(
+    "coprocessor-layers-hugepages": make_body(
         strategy="coprocessor", sharedMemory={"mode": "hostPath"}, stages=[
-            *stages(2, layers=True),
-            dict(CPU, name="cpu2", layers=8, numaNode=1,
-                 resources={"limits": {"hugepages-2Mi": "8Gi"}, "requests": {"hugepages-2Mi": "8Gi"}})]),
+            dict(GPU, layers=8), dict(CPU, layers=24, numaNode=1,
+                                      resources={"limits": {"hugepages-2Mi": "8Gi"}, "requests": {"hugepages-2Mi": "8Gi"}})]),
     "stage-env": make_body(stages=[
         dict(GPU, env=[{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"}, {"name": "http_proxy", "value": ""}]),
         dict(CPU, env=[{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "_FLAG"},  # value defaults to ""
@@ -255,14 +256,17 @@ def test_coprocessor_needs_hostpath_shared_memory_and_says_why(server):
 
 def test_coprocessor_needs_a_gpu_stage_0_with_a_cpu_stage_and_one_gpu_per_stage(server):
     """Only gpu stages run vLLM's layers under coprocessor; stage 0 serves the API; products split on one GPU."""
-    assert validate(server, make_body(strategy="coprocessor", stages=stages(3))) == []
+    assert validate(server, make_body(strategy="coprocessor", stages=stages(2))) == []
+    errors = validate(server, make_body(strategy="coprocessor", stages=stages(3)))
+    assert len(errors) == 2 and errors[1].endswith(
+        "spec.strategy coprocessor runs one gpu stage and one cpu stage (for now): merge the cpu stages"), errors
     errors = validate(server, make_body(strategy="coprocessor", stages=[CPU, GPU]))
     assert [e for e in errors[1:] if e.startswith("spec.strategy:")] == [
         "spec.strategy: Invalid value: spec.strategy offload and coprocessor need spec.stages[0] to be a "
         "gpu stage (stage 0 serves the API, and only gpu stages run vLLM's layers)"], errors
     errors = validate(server, make_body(strategy="coprocessor", stages=stages(1)))
-    assert len(errors) == 2 and "need a gpu stage and a cpu stage" in errors[1], errors
-    errors = validate(server, make_body(strategy="coprocessor", stages=stages(3, tp=2)))
+    assert "need a gpu stage and a cpu stage" in errors[1] and "runs one gpu stage and one cpu stage" in errors[2], errors
+    errors = validate(server, make_body(strategy="coprocessor", stages=stages(2, tp=2)))
     assert len(errors) == 2 and errors[1].startswith("spec.stages: ") and errors[1].endswith(
         "spec.strategy coprocessor needs spec.stages[].tensorParallel 1 on the gpu stages (for now)"), errors
     for strategy in ("pipeline", "offload", "balanced", "auto"):  # only coprocessor limits tensorParallel

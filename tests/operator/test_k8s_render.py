@@ -274,17 +274,17 @@ def test_balanced_runs_every_stage_and_keeps_one_copy_of_the_weights_in_the_cpu_
 def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
     """The gpu stage computes every layer, but streams the cpu stages' layers from the cpu pods' own weight
     regions (handed over the shared /dev/shm): every stage gets its pods, none grows, only the plan differs."""
-    for st, gpu_memory in ((stages(3), None), ([dict(stages(1)[0], memory="32Gi"), *stages(3)[1:]], "32Gi")):
-        st[2] = dict(st[2], memory="24Gi", resources={"limits": {"hugepages-2Mi": "8Gi"},
+    for st, gpu_memory in ((stages(2), None), ([dict(stages(1)[0], memory="32Gi"), stages(2)[1]], "32Gi")):
+        st[1] = dict(st[1], memory="24Gi", resources={"limits": {"hugepages-2Mi": "8Gi"},
                                                       "requests": {"hugepages-2Mi": "8Gi"}})
         pipeline = by_kind(render_children(make_body(stages=st)), "StatefulSet")
         children = render_children(make_body(stages=st, strategy="coprocessor"))
         coprocessor = by_kind(children, "StatefulSet")
-        assert [s["metadata"]["name"] for s in coprocessor] == ["llama-gpu", "llama-cpu", "llama-cpu2"]
-        gpu, cpu, cpu2 = coprocessor
-        assert memory_of(gpu) == (gpu_memory, gpu_memory)  # not the cpu stages' weights, unlike offload
-        assert memory_of(cpu) == ("64Gi", "64Gi") and memory_of(cpu2) == ("24Gi", "24Gi")  # as stated
-        res = cpu2["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert [s["metadata"]["name"] for s in coprocessor] == ["llama-gpu", "llama-cpu"]
+        gpu, cpu = coprocessor
+        assert memory_of(gpu) == (gpu_memory, gpu_memory)  # not the cpu stage's weights, unlike offload
+        assert memory_of(cpu) == ("24Gi", "24Gi")  # as stated
+        res = cpu["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert res["requests"]["hugepages-2Mi"] == res["limits"]["hugepages-2Mi"] == "8Gi"
         for sts in coprocessor:  # the product server runs from the same container and command
             pod = sts["spec"]["template"]["spec"]
@@ -292,15 +292,14 @@ def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
             assert container["command"] == ["vllm-hybrid"] and container["args"][0] == "serve"
             assert env_of(container)["HYBRID_SHM_SHARED"]["value"] == "1"
             assert any("hostPath" in v for v in pod["volumes"])
-        for sts in (cpu, cpu2):  # co-located with stage 0's pod of the same replica
-            assert sts["spec"]["template"]["spec"]["affinity"]["podAffinity"]
+        assert cpu["spec"]["template"]["spec"]["affinity"]["podAffinity"]  # beside stage 0's pod of its replica
         for a, b in zip(pipeline, coprocessor):
             ha = a["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
             hb = b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
             assert ha != hb and a == b  # the pods differ from pipeline's in the plan only
         plan = yaml.safe_load(children[0]["data"]["plan.yaml"])
-        assert plan["strategy"] == "coprocessor" and len(plan["stages"]) == 3
-        assert [s.get("memory") for s in plan["stages"]] == [None, "64Gi", "24Gi"]
+        assert plan["strategy"] == "coprocessor" and len(plan["stages"]) == 2
+        assert [s.get("memory") for s in plan["stages"]] == [None, "24Gi"]
 
 
 def test_only_offload_gives_the_gpu_pod_the_cpu_stages_ram_and_drops_the_cpu_pods():
