@@ -29,8 +29,8 @@ SERVER_CPUS = os.environ.get("HYBRID_BENCH_SERVER_CPUS", "1-15")
 DT = torch.bfloat16
 
 
-def views(region, shapes):
-    flat = torch.frombuffer(region.map, dtype=DT, count=sum(n * k for n, k in shapes))
+def views(buf, shapes):
+    flat = torch.frombuffer(buf, dtype=DT, count=sum(n * k for n, k in shapes))
     ws, off = [], 0
     for n, k in shapes:
         ws.append(flat[off:off + n * k].view(n, k))
@@ -45,11 +45,7 @@ def serve_child(wfd: int, iofd: int, max_rows: int) -> None:
     shapes = SHAPES * LAYERS
     wmap, _ = hostmem.open_fd(wfd)
     iomap, _ = hostmem.open_fd(iofd)
-    flat = torch.frombuffer(wmap, dtype=DT, count=sum(n * k for n, k in shapes))
-    ws, off = [], 0
-    for n, k in shapes:
-        ws.append(flat[off:off + n * k].view(n, k))
-        off += n * k
+    _, ws = views(wmap, shapes)
     layout = coproc.IoLayout.for_shapes(shapes, max_rows)
     io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, DT)
     print(f"server: {len(ws)} products on {torch.get_num_threads()} threads", flush=True)
@@ -62,7 +58,7 @@ def main(path: str) -> None:
     shapes = SHAPES * LAYERS
     total = sum(n * k for n, k in shapes) * 2
     wregion = hostmem.allocate("coproc-bench-weights", total)
-    flat, ws = views(wregion, shapes)
+    flat, ws = views(wregion.map, shapes)
     g = torch.Generator().manual_seed(0)
     block = torch.empty(1 << 24, dtype=DT).uniform_(-0.02, 0.02, generator=g)
     for i in range(0, flat.numel(), block.numel()):

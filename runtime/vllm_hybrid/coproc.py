@@ -96,13 +96,16 @@ class IoViews:
         # numpy views: the server spins on these words, and a numpy read costs a tenth of a tensor index
         self.words = raw[:layout.flags_bytes].numpy().view("int32")[::LINE // 4]
 
-    def x(self, j: int, rows: int, k: int) -> torch.Tensor:
-        o = self.layout.x_offset(j)
-        return self.raw[o:o + rows * k * self.layout.elem].view(self.dtype).view(rows, k)
+    def x(self, j: int, rows: int, k: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """Product j's input buffer, in `raw` (default: the host mapping; the GPU passes its device view)."""
+        return self._matrix(raw, self.layout.x_offset(j), rows, k)
 
-    def y(self, j: int, rows: int, n: int) -> torch.Tensor:
-        o = self.layout.y_offset(j)
-        return self.raw[o:o + rows * n * self.layout.elem].view(self.dtype).view(rows, n)
+    def y(self, j: int, rows: int, n: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+        return self._matrix(raw, self.layout.y_offset(j), rows, n)
+
+    def _matrix(self, raw: torch.Tensor | None, offset: int, rows: int, cols: int) -> torch.Tensor:
+        raw = self.raw if raw is None else raw
+        return raw[offset:offset + rows * cols * self.layout.elem].view(self.dtype).view(rows, cols)
 
 
 @dataclass
@@ -151,17 +154,14 @@ class GpuSide:
         """x @ W.T for product j, W's rows [0, n0) given on the GPU (w_rows), the rest computed by the CPU pod."""
         rows, k = x.shape
         n0 = w_rows.shape[0]
-        lay, mo = self.io.layout, self.memops
-        xo, yo = lay.x_offset(j), lay.y_offset(j)
-        xd = self.dev[xo:xo + rows * k * lay.elem].view(x.dtype).view(rows, k)
-        torch.mul(x, 1, out=xd)  # a kernel writes host memory; copy_ might take the DMA engine
+        mo = self.memops
+        torch.mul(x, 1, out=self.io.x(j, rows, k, self.dev))  # a kernel writes host memory; copy_ might take the DMA engine
         mo.write(self.product, j)
         mo.write(self.req, encode(rows, n0))
         y0 = torch.nn.functional.linear(x, w_rows)
         mo.wait(self.done, 1)
         mo.write(self.done, 0)
-        y1 = self.dev[yo:yo + rows * (n - n0) * lay.elem].view(x.dtype).view(rows, n - n0)
-        return torch.cat([y0, y1], dim=-1)
+        return torch.cat([y0, self.io.y(j, rows, n - n0, self.dev)], dim=-1)
 
 
 # --- the CPU pod's server --------------------------------------------------------------------------
@@ -233,10 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # --- the GPU process's side (patches.patch_coprocessor calls these) ---------------------------------
 
 SOCKET_ENV, BYTES_ENV, SHARES_ENV = "HYBRID_COPROC_SOCKET", "HYBRID_COPROC_BYTES", "HYBRID_COPROC_SHARES"
@@ -292,16 +288,20 @@ class Client:
                                        "(is the cpu stage running, and does it share /dev/shm with this pod?)") from None
                 time.sleep(0.5)
 
-    def open_weights(self, nbytes: int) -> str:
-        from . import memops
+    def _ask_region(self, msg: dict) -> tuple[dict, object, int]:
+        """Send `msg`; map the region whose descriptor comes with the reply."""
         from .gemm_split import recv_msg, send_msg
-        send_msg(self.sock, {"weights_bytes": nbytes})
+        send_msg(self.sock, msg)
         reply = recv_msg(self.sock, max_fds=1)
         (fd,) = reply["fds"]
         try:
-            self.wmap, self.wbytes = hostmem.open_fd(fd)
+            return (reply, *hostmem.open_fd(fd))
         finally:
-            os.close(fd)
+            os.close(fd)  # the mapping keeps the region
+
+    def open_weights(self, nbytes: int) -> str:
+        from . import memops
+        reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
         self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
         memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: the copy stream DMAs from it
         return reply["describe"]
@@ -328,17 +328,11 @@ class Client:
     def publish(self) -> int:
         """Tell the CPU pod where each product's weight is; map the io region it returns. Its thread count."""
         from . import memops
-        from .gemm_split import recv_msg, send_msg
         dtype = self.products[0].cpu.dtype
         base = self.flat.data_ptr()
-        send_msg(self.sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": self.max_rows,
-                             "products": [[p.cpu.data_ptr() - base, *p.cpu.shape] for p in self.products]})
-        reply = recv_msg(self.sock, max_fds=1)
-        (fd,) = reply["fds"]
-        try:
-            self.io_map, nbytes = hostmem.open_fd(fd)
-        finally:
-            os.close(fd)
+        reply, self.io_map, nbytes = self._ask_region({
+            "dtype": str(dtype).removeprefix("torch."), "max_rows": self.max_rows,
+            "products": [[p.cpu.data_ptr() - base, *p.cpu.shape] for p in self.products]})
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
         memops.register(raw.data_ptr(), nbytes)
         layout = IoLayout.for_shapes([tuple(p.cpu.shape) for p in self.products], self.max_rows, dtype.itemsize)
@@ -355,9 +349,7 @@ class Client:
     def prefetch_rows(self, j: int) -> int:
         """Rows of product j's weight the offloader copies ahead for the current step."""
         p = self.products[j]
-        if p.boundary:
-            return p.n0_fixed
-        return self.n0(j, self.rows) if self.rows <= self.max_rows else p.cpu.shape[0]
+        return self.n0(j, self.rows) if p.boundary or self.rows <= self.max_rows else p.cpu.shape[0]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, j: int) -> torch.Tensor:
         rows = x.shape[0]
@@ -383,3 +375,7 @@ def coproc_linear(x: torch.Tensor, weight: torch.Tensor, product: int) -> torch.
 @coproc_linear.register_fake
 def _(x, weight, product):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -45,10 +45,6 @@ def register(ptr: int, nbytes: int, mapped: bool = True) -> None:
     _check(int(rc), f"cudaHostRegister of {nbytes / 1e9:.2f} GB")
 
 
-def unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
 def device_pointer(ptr: int) -> int:
     out = ctypes.c_uint64()
     _check(_driver().cuMemHostGetDevicePointer_v2(ctypes.byref(out), ptr, 0), "cuMemHostGetDevicePointer")
