@@ -328,10 +328,15 @@ def planned_splits() -> dict:
     return out
 
 
+# a streamed 70B pass takes over a second: capturing vLLM's default 19 graph sizes outlasts a device call
+STREAMED_CAPTURE = [f"--max-cudagraph-capture-size={max(CONCURRENCY)}"]
+
+
 def run_planned(model, strategy: str, **env):
     """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU)."""
-    return run_pipeline(model, strategy in ("offload", "coprocessor"), strategy, f"planned-{strategy}",
-                        stages=planned_stages(strategy), **env)
+    streams = strategy in ("offload", "coprocessor")
+    return run_pipeline(model, streams, strategy, f"planned-{strategy}", stages=planned_stages(strategy),
+                        plan_extra={"extra_args": STREAMED_CAPTURE} if streams else None, **env)
 
 
 def run_planned_prefetch_plain(model):
@@ -341,7 +346,7 @@ def run_planned_prefetch_plain(model):
     shape = split.shape
     group, in_group = prefetch_groups(shape.num_layers, round(lay.offload_bytes[0] / shape.layer_bytes))
     return run_plain(model, [f"--offload-group-size={group}", f"--offload-num-in-group={in_group}",
-                             "--offload-prefetch-step=1"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"})
+                             "--offload-prefetch-step=1", *STREAMED_CAPTURE], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"})
 
 
 CONFIGS = {
@@ -352,7 +357,7 @@ CONFIGS = {
     "b-offload-plain": lambda m: run_plain(m, [f"--cpu-offload-gb={OFFLOAD_GIB}"],
                                            {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "b-prefetch-plain": lambda m: run_plain(m, ["--offload-group-size=2", "--offload-num-in-group=1",
-                                                "--offload-prefetch-step=1"], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
+                                                "--offload-prefetch-step=1", *STREAMED_CAPTURE], {**GPU_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "c-gpu-first": lambda m: run_pipeline(m, True),
     "c-cpu-first": lambda m: run_pipeline(m, False),
     "d-balanced": lambda m: run_pipeline(m, False, "balanced"),  # weights on 4 KiB shmem pages unless reserved:

@@ -364,16 +364,38 @@ def patch_split_gemm(layer_utils, cpu_model_runner) -> None:
                    "(split GEMMs with the GPU, weights loaded into the shared region)")
 
 
-def patch_coprocessor(prefetch, linear, loader_utils) -> None:
+def patch_loading_keeps_host_storage(loader_utils) -> None:
+    # vllm.model_executor.model_loader.utils.device_loading_context: weight processing moves a module's
+    # CPU parameters (the prefetch offloader's pinned copies) to the GPU and back into new pageable
+    # tensors, which the offloader re-pins only in its post_init: until then every streamed weight has
+    # two host copies (a 70B shape's 65 GB streamed did not fit a 125 GiB host). Copy the processed
+    # values back into the parameter's own host storage at once (coprocessor: the CPU pod's region).
+    original = loader_utils.device_loading_context
+
+    @contextlib.contextmanager
+    def device_loading_context(module, target_device):
+        before = {name: p.data for name, p in module.named_parameters() if p.device.type == "cpu"}
+        with original(module, target_device) as m:
+            yield m
+        for name, p in module.named_parameters():
+            own = before.get(name)
+            if (own is not None and p.device.type == "cpu" and p.data.data_ptr() != own.data_ptr()
+                    and p.data.shape == own.shape and p.data.dtype == own.dtype and p.data.stride() == own.stride()):
+                own.copy_(p.data)
+                p.data = own
+
+    loader_utils.device_loading_context = device_loading_context
+    APPLIED.append("device_loading_context(processed CPU weights back into their own host storage)")
+
+
+def patch_coprocessor(prefetch, linear) -> None:
     # strategy coprocessor (coproc.py), in the GPU worker; vLLM's prefetch offloader streams the cpu
     # stages' layers:
     # - vllm.model_executor.offloader.prefetch.PrefetchOffloader.wrap_modules: before the layers are
     #   built, ask the CPU pod for the region their weights will live in (its memory, its NUMA node);
     # - _CpuParamOffloader._offload_to_cpu_internal: each offloaded parameter gets its host copy in that
     #   region instead of a private pinned tensor, so the loader fills the one copy the CPU computes from;
-    # - model_loader.utils.device_loading_context: weight processing moves each layer's CPU parameters to
-    #   the GPU and back into new pageable tensors (a second host copy of every streamed weight until the
-    #   offloader's post_init); their values go back into the region at once, which stays the storage;
+    # - (weight processing keeps the region as the storage: patch_loading_keeps_host_storage);
     # - _CpuParamOffloader._update_cpu_storage_from_param: the same where a new CPU tensor still arrives;
     # - PrefetchOffloader.post_init: once the buffers are assigned, every plain linear weight of the
     #   streamed layers becomes a product the CPU pod splits (manifest over the socket);
@@ -389,17 +411,6 @@ def patch_coprocessor(prefetch, linear, loader_utils) -> None:
     original_wrap, original_post_init = offloader_cls.wrap_modules, offloader_cls.post_init
     original_offload, original_update = param_cls._offload_to_cpu_internal, param_cls._update_cpu_storage_from_param
     original_apply = linear.UnquantizedLinearMethod.apply
-    original_loading_context = loader_utils.device_loading_context
-
-    @contextlib.contextmanager
-    def device_loading_context(module, target_device):
-        with original_loading_context(module, target_device) as m:
-            yield m
-        for p in module.parameters():
-            region = getattr(p, "_hybrid_region", None)
-            if region is not None and p.data.data_ptr() != region.data_ptr() and p.data.shape == region.shape:
-                region.copy_(p.data)
-                p.data = region
 
     @functools.wraps(original_wrap)
     def wrap_modules(self, modules_generator):
@@ -419,7 +430,7 @@ def patch_coprocessor(prefetch, linear, loader_utils) -> None:
             return original_offload(self)
         storage.copy_(param.data)
         self._cpu_storage, self.offloaded_bytes = storage, storage.numel() * storage.element_size()
-        param.data, param._hybrid_region = storage, storage
+        param.data = storage
 
     @functools.wraps(original_update)
     def _update_cpu_storage_from_param(self):
@@ -478,7 +489,6 @@ def patch_coprocessor(prefetch, linear, loader_utils) -> None:
         _offload_to_cpu_internal, _update_cpu_storage_from_param)
     module_cls.start_onload_to_static = start_onload_to_static
     linear.UnquantizedLinearMethod.apply = apply
-    loader_utils.device_loading_context = device_loading_context
     APPLIED.append("PrefetchOffloader + UnquantizedLinearMethod.apply(coprocessor: weights in the CPU pod's "
                    "region, products split with it)")
 
@@ -538,15 +548,17 @@ def apply_all() -> list[str]:
     patch_dummy_weights_once(dummy_loader)
     patch_worker_step_metrics(gpu_worker)
     patch_pad_received_activations(gpu_model_runner)
+    if not current_platform.is_cpu():
+        from vllm.model_executor.model_loader import utils as loader_utils
+        patch_loading_keeps_host_storage(loader_utils)
     if os.environ.get("HYBRID_EXPECT_OFFLOADER"):
         patch_check_offloader(gpu_worker)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     if not current_platform.is_cpu() and os.environ.get("HYBRID_COPROC_SOCKET"):
         from vllm.model_executor.layers import linear
-        from vllm.model_executor.model_loader import utils as loader_utils
         from vllm.model_executor.offloader import prefetch
-        patch_coprocessor(prefetch, linear, loader_utils)
+        patch_coprocessor(prefetch, linear)
     from . import gemm_split
     if current_platform.is_cpu() and gemm_split.enabled():
         from vllm.model_executor.layers import utils as layer_utils
