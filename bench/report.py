@@ -48,24 +48,25 @@ def planned_table(r: dict) -> str:
     """p-*: the model larger than the GPU, one column per configuration; decode tokens/s from TPOT
     (short waves), the planner's split and what auto picks against the best measured."""
     configs = [k for k in PLANNED if "waves" in r.get(k, {})]
-    failed = [f"- {k}: {r[k]['error']}" for k in PLANNED if "error" in r.get(k, {})]
+    # a failed start's log tail is in the json; the table says what happened in a line
+    failed = [f"- {k}: {r[k].get('note') or r[k]['error'][:300]}" for k in r if k.startswith("p-") and "error" in r[k]]
     plans = r.get("planned", {})
     rows = [f"{plans.get('model')} on {plans.get('gpu_mib')} MiB GPU + {plans.get('host_mib')} MiB host\n",
             "| | " + " | ".join(configs) + " | auto picks | auto / best |", "|---" * (len(configs) + 3) + "|"]
     # the strategy each configuration ran (the prefetch offloader streams offload's split)
     strategy_of = {"p-prefetch-plain": "offload", "p-coproc": "coprocessor"}
     runs = {k: strategy_of.get(k) or plans.get(k[2:], {}).get("runs", k[2:]) for k in configs}
-    for i, w in enumerate(r[configs[0]]["waves"] if configs else []):
-        c = w["concurrency"]
-        speed = {k: r[k]["waves"][i]["decode_tok_per_s"] for k in configs}
+    waves = {k: {w["concurrency"]: w for w in r[k]["waves"]} for k in configs}  # runs may cover different ones
+    for c in sorted({c for k in configs for c in waves[k]}):
+        speed = {k: waves[k].get(c, {}).get("decode_tok_per_s") for k in configs}
         pick = plans.get(f"auto@{c}", {}).get("runs")
         measured = [k for k in configs if k != "p-prefetch-plain" and runs[k] == pick]
         best = max((v for k, v in speed.items() if k != "p-prefetch-plain" and v), default=None)
         auto = f"{speed[measured[0]] / best:.2f}x" if measured and best and speed[measured[0]] else "not measured"
-        rows.append(f"| decode tok/s, concurrency {c} | " + " | ".join(str(v) for v in speed.values())
+        rows.append(f"| decode tok/s, concurrency {c} | " + " | ".join(str(v or "-") for v in speed.values())
                     + f" | {pick} | {auto} |")
-        rows.append(f"| wave tok/s, {c} x {w['output_tokens'] // max(1, c)} tokens | "
-                    + " | ".join(str(r[k]["waves"][i]["tok_per_s"]) for k in configs) + " | | |")
+        rows.append(f"| wave tok/s, concurrency {c} | "
+                    + " | ".join(str(waves[k].get(c, {}).get("tok_per_s", "-")) for k in configs) + " | | |")
     for n in (configs and r[configs[0]]["ttft_s"]) or ():
         rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | | |")
     for field, label in (("ready_s", "ready (s)"), ("peak_host_gb", "peak host memory, GB"),
