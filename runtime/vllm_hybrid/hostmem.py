@@ -94,6 +94,9 @@ def allocate(name: str, nbytes: int, pages: str | None = None) -> Region:
                            f"pod's hugepages-2Mi limit is {limit >> 20} MiB or the node has too few free: "
                            "raise the stage's hugepages-2Mi, or drop it and give the stage the memory instead")
     region = region or _shmem(name, nbytes)
+    # allocate every page now, from this process: the pod that asks for the region is charged for it
+    # (not the GPU pod whose page-locking or loading would touch it first), and too little memory fails here
+    os.posix_fallocate(region.fd, 0, region.nbytes)
     if region.kind == "shmem":
         region.page_size = backing_page_size(region)
     return region

@@ -66,6 +66,15 @@ class ModelShape:
         return (attn + mlp + 2 * self.hidden) * self.dtype_bytes
 
     @property
+    def pinned_layer_bytes(self) -> int:
+        """Host RAM a layer takes as the prefetch offloader's pinned copies: torch's pinned-memory allocator
+        (CachingHostAllocator) rounds each tensor up to a power of two (a 70B layer: 1.88 GiB for 1.59)."""
+        h, hd, i, e = self.hidden, self.head_dim, self.intermediate, max(1, self.experts)
+        qkv, o = (self.heads + 2 * self.kv_heads) * hd * h, h * self.heads * hd
+        tensors = [qkv, o, e * 2 * i * h, e * h * i, h, h] + ([e * h] if self.experts else [])
+        return sum(_power_of_two(n * self.dtype_bytes) for n in tensors)
+
+    @property
     def embedding_bytes(self) -> int:
         return self.vocab * self.hidden * self.dtype_bytes
 
@@ -82,6 +91,10 @@ class ModelShape:
         if lm_head:
             candidates.append((self.vocab, self.hidden))
         return max(candidates, key=lambda rc: rc[0] * rc[1])
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def read_model_config(model: str) -> dict:
@@ -241,7 +254,9 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
         if total < n:
             raise PlanError(f"stages: {n} stages but the model has only {total} layers")
         budgets = [stage_budget(s, gpu_memory_bytes) - beside[i] for i, s in enumerate(plan.stages)]
-        capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // per_layer) for i, b in enumerate(budgets)]
+        # offload: the cpu stages' layers become the gpu pod's pinned copies (their KV lives on the GPU)
+        host_layer = [shape.pinned_layer_bytes if strategy == "offload" and s.is_cpu else per_layer for s in plan.stages]
+        capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // host_layer[i]) for i, b in enumerate(budgets)]
         if strategy in ("offload", "coprocessor") and gpus and len(gpus) < n:
             # beside its own layers' weights: every layer it may serve's KV, both ends, the prefetch buffers
             buffers = COPROC_PREFETCH_STEP if strategy == "coprocessor" else PREFETCH_BUFFER_LAYERS

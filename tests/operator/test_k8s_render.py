@@ -224,7 +224,15 @@ def test_offload_runs_only_gpu_stages_with_host_ram_for_the_streamed_layers():
 
 def test_offload_without_gpu_memory_reserves_the_streamed_ram_without_a_limit():
     (gpu,) = by_kind(render_children(make_body(strategy="offload", stages=stages(3))), "StatefulSet")
-    assert memory_of(gpu) == ("128Gi", None)
+    assert memory_of(gpu) == ("132Gi", None)  # 2 x 64Gi streamed + 4Gi for its processes
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "balanced", "coprocessor", "auto"])
+def test_a_gpu_pod_without_memory_requests_what_its_processes_were_measured_to_use(strategy):
+    """The node must count the gpu pod's host RAM (vLLM's processes: 2.0-3.4 GB measured): a request, no limit."""
+    for sts in by_kind(render_children(make_body(strategy=strategy, stages=stages(2))), "StatefulSet"):
+        gpu = sts["metadata"]["name"] == "llama-gpu"
+        assert memory_of(sts) == (("4Gi", None) if gpu else ("64Gi", "64Gi")), sts["metadata"]["name"]
 
 
 def test_offload_each_gpu_stage_holds_the_cpu_stages_after_it():
@@ -254,13 +262,13 @@ def test_auto_runs_every_stage_like_pipeline():
 
 def test_balanced_runs_every_stage_and_keeps_one_copy_of_the_weights_in_the_cpu_pods():
     """The GEMM helper streams from the cpu stages' own weight regions: no pod grows, only the plan differs."""
-    for st, gpu_memory in ((stages(3), None), ([*stages(3)[1:], dict(stages(1)[0], memory="32Gi")], "32Gi")):
+    for st, gpu_memory in ((stages(3), ("4Gi", None)), ([*stages(3)[1:], dict(stages(1)[0], memory="32Gi")], ("32Gi",) * 2)):
         pipeline = by_kind(render_children(make_body(stages=st)), "StatefulSet")
         children = render_children(make_body(stages=st, strategy="balanced"))
         balanced = by_kind(children, "StatefulSet")
         assert [s["metadata"]["name"] for s in balanced] == [s["metadata"]["name"] for s in pipeline]
         gpu = next(s for s in balanced if s["metadata"]["name"] == "llama-gpu")
-        assert memory_of(gpu) == (gpu_memory, gpu_memory)
+        assert memory_of(gpu) == gpu_memory
         res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
         for a, b in zip(pipeline, balanced):
@@ -274,7 +282,7 @@ def test_balanced_runs_every_stage_and_keeps_one_copy_of_the_weights_in_the_cpu_
 def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
     """The gpu stage computes every layer, but streams the cpu stages' layers from the cpu pods' own weight
     regions (handed over the shared /dev/shm): every stage gets its pods, none grows, only the plan differs."""
-    for st, gpu_memory in ((stages(2), None), ([dict(stages(1)[0], memory="32Gi"), stages(2)[1]], "32Gi")):
+    for st, gpu_memory in ((stages(2), ("4Gi", None)), ([dict(stages(1)[0], memory="32Gi"), stages(2)[1]], ("32Gi",) * 2)):
         st[1] = dict(st[1], memory="24Gi", resources={"limits": {"hugepages-2Mi": "8Gi"},
                                                       "requests": {"hugepages-2Mi": "8Gi"}})
         pipeline = by_kind(render_children(make_body(stages=st)), "StatefulSet")
@@ -282,7 +290,7 @@ def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
         coprocessor = by_kind(children, "StatefulSet")
         assert [s["metadata"]["name"] for s in coprocessor] == ["llama-gpu", "llama-cpu"]
         gpu, cpu = coprocessor
-        assert memory_of(gpu) == (gpu_memory, gpu_memory)  # not the cpu stage's weights, unlike offload
+        assert memory_of(gpu) == gpu_memory  # not the cpu stage's weights, unlike offload
         assert memory_of(cpu) == ("24Gi", "24Gi")  # as stated
         res = cpu["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert res["requests"]["hugepages-2Mi"] == res["limits"]["hugepages-2Mi"] == "8Gi"

@@ -157,6 +157,16 @@ def test_without_huge_pages_the_weights_go_to_shmem(helper, monkeypatch):
         hostmem.allocate("x", 10)
 
 
+def test_a_region_is_allocated_by_the_process_that_asks_for_it():
+    """Pages are charged to the cgroup that first touches them: the cpu pod allocates its weight region
+    whole, before the GPU pod page-locks or fills it (an unbacked memfd would be charged to the GPU pod)."""
+    region = hostmem.allocate("allocated", 64 << 20, pages="shmem")
+    try:
+        assert os.fstat(region.fd).st_blocks * 512 >= region.nbytes
+    finally:
+        region.close()
+
+
 def test_an_absent_helper_is_named_after_the_timeout(tmp_path):
     client = SplitClient(str(tmp_path / "none.gemm"), Rates(), None)
     t0 = time.monotonic()

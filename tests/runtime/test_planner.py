@@ -134,3 +134,20 @@ def test_each_strategy_gets_a_split_that_fits_its_gpu_memory():
             assert gpu.gpu_memory_utilization == round(0.92 - helper / gpu_mem, 4)
             assert gpu.weight_bytes + gpu.layers * kv <= gpu.budget_bytes == int(gpu_mem * 0.92) - 2 * GiB - helper
     assert got["pipeline"] > got["offload"] > got["balanced"] >= 30
+
+
+
+def test_offload_counts_the_pinned_copies_as_torch_allocates_them():
+    # torch's pinned-memory allocator rounds each tensor to a power of two: 41 streamed layers of the 70B
+    # shape held 82.58 GB of pinned memory on the H100 (bench/results/gpu_bench-70b-h100.json, p-offload)
+    from vllm_hybrid.tinymodel import LLAMA_3_1_70B
+    shape = model_shape(LLAMA_3_1_70B)
+    assert shape.pinned_layer_bytes == (256 + 128 + 1024 + 512) * 2**20 + 2 * 16 * 2**10
+    assert abs(41 * shape.pinned_layer_bytes / 1e9 - 82.58) < 0.1
+    # a cpu stage with room for 20 layers' weights (less the LM head it would hold last): too small for
+    # the model either way; the refusal says how many layers it holds under each strategy
+    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92},
+              {"name": "cpu", "device": "cpu", "cpus": 8, "memory": f"{(20 * shape.layer_bytes + 3 * GiB) >> 20}Mi"}]
+    for strategy, held in (("offload", 15), ("pipeline", 18)):
+        with pytest.raises(PlanError, match=f"cpu fits {held}\\)"):
+            split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), strategy)

@@ -73,6 +73,11 @@ def _user_env(var: dict[str, str]) -> dict[str, str]:
     return {"name": var["name"], "value": var["value"]} if var["value"] else {"name": var["name"]}
 
 
+# host RAM of a gpu stage's processes (vLLM's API server, engine and worker; balanced's GEMM helper,
+# coprocessor's client): peak RssAnon 2.0-3.4 GB in every H100 and H200 run (bench/results, stage_peak_rss_gb)
+GPU_POD_HOST_MEMORY = 4 << 30
+
+
 def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
     stage = spec["stages"][index]
     extra = stage.get("resources", {})
@@ -86,13 +91,14 @@ def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
     # requests == limits for everything we set: Guaranteed QoS, so the static CPU manager pins cores.
     limits = {**{k: str(v) for k, v in extra.get("limits", {}).items()}, **fixed}
     requests = {**{k: str(v) for k, v in extra.get("requests", {}).items()}, **fixed}
-    if streamed := sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index)):
-        # offload: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to the GPU);
-        # balanced's helper and coprocessor's gpu stage stream from the cpu pod's own region, charged to that pod.
-        if "memory" in stage:
+    # offload: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to the GPU);
+    # balanced's helper and coprocessor's gpu stage stream from the cpu pod's own region, charged to that pod.
+    streamed = sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index))
+    if "memory" in stage:
+        if streamed:
             limits["memory"] = requests["memory"] = from_bytes(to_bytes(stage["memory"]) + streamed)
-        else:  # no limit to grow: reserve the RAM on the node, leave the process itself unbounded
-            requests["memory"] = from_bytes(streamed)
+    elif stage["device"] == "gpu":  # reserve what it was measured to use on the node; no limit to outgrow
+        requests["memory"] = from_bytes(GPU_POD_HOST_MEMORY + streamed)
     return {"requests": requests, "limits": limits}
 
 
