@@ -58,21 +58,22 @@ class ModelShape:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def layer_tensors(self) -> list[int]:
+        """Elements of each weight of a layer as vLLM holds it: fused qkv, o, gate_up and down (one tensor
+        over every expert in a mixture of experts, plus its router), the two norms."""
+        h, hd, i, e = self.hidden, self.head_dim, self.intermediate, max(1, self.experts)
+        qkv, o = (self.heads + 2 * self.kv_heads) * hd * h, h * self.heads * hd
+        return [qkv, o, e * 2 * i * h, e * h * i, h, h] + ([e * h] if self.experts else [])
+
+    @property
     def layer_bytes(self) -> int:
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        if self.experts:
-            mlp = self.experts * (mlp + self.hidden)  # every expert, and its router row
-        return (attn + mlp + 2 * self.hidden) * self.dtype_bytes
+        return sum(self.layer_tensors) * self.dtype_bytes
 
     @property
     def pinned_layer_bytes(self) -> int:
         """Host RAM a layer takes as the prefetch offloader's pinned copies: torch's pinned-memory allocator
         (CachingHostAllocator) rounds each tensor up to a power of two (a 70B layer: 1.88 GiB for 1.59)."""
-        h, hd, i, e = self.hidden, self.head_dim, self.intermediate, max(1, self.experts)
-        qkv, o = (self.heads + 2 * self.kv_heads) * hd * h, h * self.heads * hd
-        tensors = [qkv, o, e * 2 * i * h, e * h * i, h, h] + ([e * h] if self.experts else [])
-        return sum(_power_of_two(n * self.dtype_bytes) for n in tensors)
+        return sum(_power_of_two(n * self.dtype_bytes) for n in self.layer_tensors)
 
     @property
     def embedding_bytes(self) -> int:

@@ -136,7 +136,6 @@ def test_each_strategy_gets_a_split_that_fits_its_gpu_memory():
     assert got["pipeline"] > got["offload"] > got["balanced"] >= 30
 
 
-
 def test_offload_counts_the_pinned_copies_as_torch_allocates_them():
     # torch's pinned-memory allocator rounds each tensor to a power of two: 41 streamed layers of the 70B
     # shape held 82.58 GB of pinned memory on the H100 (bench/results/gpu_bench-70b-h100.json, p-offload)
