@@ -41,6 +41,7 @@ CONCURRENCY = [int(c) for c in os.environ.get("HYBRID_BENCH_CONCURRENCY", "1,4,1
 # CPU stage takes about a second a step: its runs use shorter waves and read decode speed off TPOT)
 PROMPT_TOKENS = int(os.environ.get("HYBRID_BENCH_PROMPT_TOKENS", "128"))
 OUTPUT_TOKENS = int(os.environ.get("HYBRID_BENCH_OUTPUT_TOKENS", "128"))
+READY_TIMEOUT = int(os.environ.get("HYBRID_BENCH_READY_TIMEOUT", "600"))  # plain servers and pipelines alike
 TTFT_TOKENS = [int(n) for n in os.environ.get("HYBRID_BENCH_TTFT", "1024,4096").split(",")]
 # a 70B shape on a CPU stage: vLLM warms up on one full batch of tokens (4096: about 100 s of CPU work)
 SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64,
@@ -208,8 +209,8 @@ class PlainVllm:
                                      start_new_session=True)
         STAGE_PIDS.append(self.proc.pid)
 
-    def wait_ready(self, timeout=600):
-        t0 = time.monotonic()
+    def wait_ready(self, timeout=None):
+        timeout, t0 = timeout or READY_TIMEOUT, time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm exited {self.proc.returncode}")
@@ -218,11 +219,15 @@ class PlainVllm:
                 return time.monotonic() - t0
             except OSError:
                 time.sleep(1)
-        raise TimeoutError
+        raise TimeoutError(f"plain vllm serve not ready after {timeout}s")
 
     def stop(self):
         self.proc.terminate()
-        self.proc.wait(60)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:  # an engine stuck loading: its whole session, so its memory is back
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(60)
 
 
 def run_plain(model, extra, env):
@@ -260,7 +265,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
     work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
     with LocalPipeline(plan, work, envs) as pipe:
         STAGE_PIDS.extend(p.pid for p in pipe.procs)
-        ready = pipe.wait_ready(timeout=int(os.environ.get("HYBRID_BENCH_READY_TIMEOUT", "600")))
+        ready = pipe.wait_ready(timeout=READY_TIMEOUT)
         out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
                             for i in range(len(stages))]}

@@ -49,7 +49,8 @@ def planned_table(r: dict) -> str:
     (short waves), the planner's split and what auto picks against the best measured."""
     configs = [k for k in PLANNED if "waves" in r.get(k, {})]
     # a failed start's log tail is in the json; the table says what happened in a line
-    failed = [f"- {k}: {r[k].get('note') or r[k]['error'][:300]}" for k in r if k.startswith("p-") and "error" in r[k]]
+    failed = [f"- {k}: {r[k]['error'][:300]}" + (f" ({r[k]['note']})" if r[k].get('note') else '')
+              for k in r if k.startswith("p-") and "error" in r[k]]
     plans = r.get("planned", {})
     rows = [f"{plans.get('model')} on {plans.get('gpu_mib')} MiB GPU + {plans.get('host_mib')} MiB host\n",
             "| | " + " | ".join(configs) + " | auto picks | auto / best |", "|---" * (len(configs) + 3) + "|"]
