@@ -46,7 +46,8 @@ def envs_for(stages, cpu_cpus="1-7", cpu_env=None):
 
 
 def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
-                 strategy="pipeline", cpu_env=None, **plan_extra):
+                 strategy="pipeline", cpu_env=None, choices=None, **plan_extra):
+    """Greedy token ids per prompt and seconds to ready; `choices` (a list) also gets each whole answer."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy, **plan_extra,
             "extra_args": list(extra_args), "stages": stages, **local_ports()}
@@ -58,6 +59,8 @@ def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enfor
                                                          "temperature": 0, "ignore_eos": True,
                                                          "return_token_ids": True, "logprobs": logprobs})
             outs.append(r["choices"][0]["token_ids"])
+            if choices is not None:
+                choices.append(r["choices"][0])
     return outs, ready
 
 
@@ -102,12 +105,18 @@ def test_mixture_of_experts_identity(tmp_path_factory, order):
     refs = reference(moe, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
     ref = [r["ids"] for r in refs]
     stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
-    got, ready = run_pipeline(moe, stages, "float32", f"f32-moe-{order}")
-    # where each prompt first differs, and the reference's top-2 logprob gap there (a near-tie or not)
+    answers = []
+    got, ready = run_pipeline(moe, stages, "float32", f"f32-moe-{order}", logprobs=2, choices=answers)
+    # where each prompt first differs, the reference's top-2 logprob gap there (a near-tie or not), and how far
+    # the pipeline's logprobs of the shared tokens before it drift from the reference's (an earlier routing flip)
     diverged = {i: next(j for j, (a, b) in enumerate(zip(g, r)) if a != b) for i, (g, r) in enumerate(zip(got, ref)) if g != r}
+    shared = [diverged.get(i, len(g)) for i, g in enumerate(got)]
+    drift = [max((abs(a - top[0][1]) for a, top in zip(c["logprobs"]["token_logprobs"][:n], refs[i]["top"][:n])), default=0.0)
+             for i, (c, n) in enumerate(zip(answers, shared))]
     RESULTS[f"float32_mixtral_{order}"] = {
-        "identical": got == ref, "ready_s": round(ready, 1),
-        "diverged": {i: {"token": j, "top2_gap": refs[i]["top"][j][0][1] - refs[i]["top"][j][1][1]} for i, j in diverged.items()}}
+        "identical": got == ref, "ready_s": round(ready, 1), "max_logprob_drift": max(drift),
+        "diverged": {i: {"token": j, "top2_gap": refs[i]["top"][j][0][1] - refs[i]["top"][j][1][1],
+                         "drift_before": drift[i]} for i, j in diverged.items()}}
     assert got == ref
 
 
