@@ -41,17 +41,17 @@ def stage(device, layers, **kw):
     return {"name": "cpu", "device": "cpu", "layers": layers, "cpus": kw.get("cpus", 7), "memory": kw.get("memory", "4Gi")}
 
 
-def envs_for(stages, cpu_cpus="1-7", cpu_env=None):
-    return [GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus, **(cpu_env or {})} for s in stages]
+def envs_for(stages, cpu_cpus="1-7", cpu_env=None, gpu_env=None):
+    return [gpu_env or GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus, **(cpu_env or {})} for s in stages]
 
 
 def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
-                 strategy="pipeline", cpu_env=None, choices=None, **plan_extra):
+                 strategy="pipeline", cpu_env=None, choices=None, gpu_env=None, **plan_extra):
     """Greedy token ids per prompt and seconds to ready; `choices` (a list) also gets each whole answer."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy, **plan_extra,
             "extra_args": list(extra_args), "stages": stages, **local_ports()}
-    with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus, cpu_env)) as pipe:
+    with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus, cpu_env, gpu_env)) as pipe:
         ready = pipe.wait_ready()
         outs = []
         for p in PROMPTS:
@@ -102,11 +102,15 @@ def test_mixture_of_experts_identity(tmp_path_factory, order):
     """Mixtral (4 experts, 2 routed per token), float32: a CUDA stage and a CPU stage give the greedy
     tokens of single-process vLLM on the GPU."""
     moe = make_tiny_llama(tmp_path_factory.mktemp("moe") / "tiny-mixtral", layers=4, dtype="float32", experts=4)
-    refs = reference(moe, PROMPTS, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    # vLLM's fused MoE is a Triton kernel whose float32 tl.dot defaults to TF32 on Hopper (10-bit mantissa:
+    # logprobs drifted 0.005-0.008 from the CPU stage's float32, flipping near-ties); IEEE makes both float32
+    gpu_env = {**GPU_ENV, "TRITON_F32_DEFAULT": "ieee"}
+    refs = reference(moe, PROMPTS, MAX_TOKENS, env=gpu_env, gpu_memory_utilization=0.3, logprobs=2)
     ref = [r["ids"] for r in refs]
     stages = [stage("gpu", 1), stage("cpu", 3)] if order == "gpu_first" else [stage("cpu", 3), stage("gpu", 1)]
     answers = []
-    got, ready = run_pipeline(moe, stages, "float32", f"f32-moe-{order}", logprobs=2, choices=answers)
+    got, ready = run_pipeline(moe, stages, "float32", f"f32-moe-{order}", logprobs=2, choices=answers,
+                               gpu_env=gpu_env)
     # where each prompt first differs, the reference's top-2 logprob gap there (a near-tie or not), and how far
     # the pipeline's logprobs of the shared tokens before it drift from the reference's (an earlier routing flip)
     diverged = {i: next(j for j, (a, b) in enumerate(zip(g, r)) if a != b) for i, (g, r) in enumerate(zip(got, ref)) if g != r}
