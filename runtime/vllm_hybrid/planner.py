@@ -20,8 +20,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM",
     "MixtralForCausalLM",
 }
-# Mixture of experts in every layer, the same Llama layout otherwise: config key of the expert count.
-MOE_EXPERTS_KEY = {"MixtralForCausalLM": "num_local_experts"}
+# Mixture of experts in every layer, the same Llama layout otherwise: config keys of the expert count
+# and of the experts each token is routed to.
+MOE_EXPERTS_KEY = {"MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok")}
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # Memory a stage needs beyond weights and KV: CUDA context/graphs/activations on GPU stages,
 # the Python/torch runtime and compile caches on CPU stages.
@@ -52,6 +53,7 @@ class ModelShape:
     tied_embeddings: bool
     dtype: str
     experts: int = 0  # mixture of experts: gated MLPs per layer, each `intermediate` wide, and a router
+    routed: int = 0   # and how many of them each token runs
 
     @property
     def dtype_bytes(self) -> int:
@@ -68,6 +70,24 @@ class ModelShape:
     @property
     def layer_bytes(self) -> int:
         return sum(self.layer_tensors) * self.dtype_bytes
+
+    @property
+    def expert_elems(self) -> int:
+        """Weights of one expert (gate, up and down); 0 for a dense model."""
+        return 3 * self.intermediate * self.hidden if self.experts else 0
+
+    @property
+    def active_layer_elems(self) -> int:
+        """Weights one token multiplies in a layer: all of a dense layer, the routed experts of a MoE one."""
+        return sum(self.layer_tensors) - (self.experts - self.routed) * self.expert_elems
+
+    def layer_read_bytes(self, tokens: int) -> int:
+        """Bytes a step of `tokens` tokens reads from a layer held in memory: a MoE layer's experts that
+        no token routes to stay unread (expected distinct experts of `tokens` independent routings)."""
+        if not self.experts:
+            return self.layer_bytes
+        unread = self.experts * (1 - self.routed / self.experts) ** tokens
+        return round(self.layer_bytes - unread * self.expert_elems * self.dtype_bytes)
 
     @property
     def pinned_layer_bytes(self) -> int:
@@ -130,7 +150,8 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
             kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype,
-            experts=int(text[MOE_EXPERTS_KEY[arch]]) if arch in MOE_EXPERTS_KEY else 0)
+            **({"experts": int(text[MOE_EXPERTS_KEY[arch][0]]), "routed": int(text[MOE_EXPERTS_KEY[arch][1]])}
+               if arch in MOE_EXPERTS_KEY else {}))
     except KeyError as e:
         raise PlanError(f"model: config.json lacks {e.args[0]}") from e
 

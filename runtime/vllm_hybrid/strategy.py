@@ -33,6 +33,7 @@ class Hardware:
     bench/results (16 vCPUs with AMX, PCIe gen5), fitted to its runs; see bench/results/README.md."""
     dram_gbs: float = 93.7               # host DRAM read bandwidth (bench/gpu_bench.py measures it)
     cpu_decode_efficiency: float = 0.87  # share of it a CPU stage's one-token step reaches (sgl kernel)
+    cpu_moe_efficiency: float = 0.65     # and a mixture of experts' layers (gpu_bench-mixtral-h100.json: 89-405 ms)
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
@@ -176,6 +177,15 @@ def split_pass_s(weights: float, k: int, rows: int, elem: int, rates: Rates) -> 
     return weights / (k * elem) * t_gpu * t_cpu / (t_gpu + t_cpu)
 
 
+def cpu_pass_s(read_bytes: float, flops_per_token: float, c: int, cores: int, shape, hw: Hardware) -> float:
+    """A CPU stage's decode step of `c` tokens: reading its weights plus each token's products, or, in large
+    batches, compute-bound."""
+    efficiency = hw.cpu_moe_efficiency if shape.experts else hw.cpu_decode_efficiency
+    return max(read_bytes / (hw.dram_gbs * 1e9 * efficiency)
+               + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
+               c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
+
+
 def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware = Hardware()) -> float:
     """Output tokens/s of one wave of `concurrency` requests (all prefill, then decode) under `lay`."""
     shape, c = split.shape, work.concurrency
@@ -185,28 +195,35 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
     for k, (i, n) in enumerate(zip(lay.stages, lay.layers)):
         stage = plan.stages[i]
         if stage.is_cpu:
-            # its layers, plus the LM head if it is the last stage (read every step)
-            weights = n * shape.layer_bytes + (shape.embedding_bytes if k == len(lay.stages) - 1 else 0)
-            flops_per_token = 2 * weights / shape.dtype_bytes
-            cores = stage.cpus or 1
+            lm = shape.embedding_bytes if k == len(lay.stages) - 1 else 0  # the last stage's LM head, read every step
+            cores, experts = stage.cpus or 1, n * shape.experts * shape.expert_elems * shape.dtype_bytes
             if lay.helper_of(i) is not None:
+                # the helper splits the 2-D products; a mixture's experts (3-D) stay on the CPU, as in pipeline
+                weights = n * shape.layer_bytes - experts + lm
                 rates, calls, gb = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s, weights / 1e9
+                moe_flops = 2 * n * shape.routed * shape.expert_elems
                 step += (split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
-                         + c * gb * hw.split_token_s_per_gb)
+                         + c * gb * hw.split_token_s_per_gb
+                         + cpu_pass_s(n * shape.layer_read_bytes(c) - (n * shape.layer_bytes - experts), moe_flops,
+                                      c, cores, shape, hw))
                 chunk = min(prompt, plan.max_num_batched_tokens)
                 prefill += (chunks * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
-                            + prompt * gb * hw.split_prefill_s_per_gb)
+                            + prompt * gb * hw.split_prefill_s_per_gb
+                            + prompt * moe_flops / (cores * hw.cpu_prefill_tflops_per_core * 1e12))
                 continue
-            step += max(weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)
-                        + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
-                        c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
+            flops_per_token = 2 * (n * shape.active_layer_elems + lm / shape.dtype_bytes)
+            step += cpu_pass_s(n * shape.layer_read_bytes(c) + lm, flops_per_token, c, cores, shape, hw)
             prefill += prompt * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12)
         elif lay.offload_bytes[k] and lay.strategy == "coprocessor":
             stream = lay.offload_bytes[k] / (hw.prefetch_pcie_gbs * 1e9)  # prompt chunks: whole layers
             prefill += chunks * stream + prompt * hw.prefetch_token_s
             if c <= hw.coproc_max_rows:
-                products = 4 * round(lay.offload_bytes[k] / shape.layer_bytes)
-                step += lay.offload_bytes[k] / (hw.coproc_gbs * 1e9) + products * hw.coproc_call_s + c * hw.coproc_token_s
+                # the 2-D products are split with the CPU; a mixture's experts (3-D) stream whole, as in offload
+                layers = round(lay.offload_bytes[k] / shape.layer_bytes)
+                experts = layers * shape.experts * shape.expert_elems * shape.dtype_bytes
+                products = (2 if shape.experts else 4) * layers
+                step += ((lay.offload_bytes[k] - experts) / (hw.coproc_gbs * 1e9) + experts / (hw.prefetch_pcie_gbs * 1e9)
+                         + products * hw.coproc_call_s + c * hw.coproc_token_s)
             else:
                 step += stream + c * hw.prefetch_token_s
         elif lay.offload_bytes[k] and plan.offload_backend == "prefetch":
@@ -230,6 +247,7 @@ def slowest_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware | None = 
     for k, (i, n) in enumerate(zip(lay.stages, lay.layers)):
         stage = plan.stages[i]
         if stage.is_cpu:
+            # every weight, every expert included: a bound, not an estimate
             weights = n * shape.layer_bytes + (shape.embedding_bytes if k == len(lay.stages) - 1 else 0)
             flops = tokens * 2 * weights / shape.dtype_bytes
             total += (weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)

@@ -98,6 +98,18 @@ def test_mixtral_counts_every_expert_and_its_router():
     assert 93.0e9 < total < 93.8e9  # Mixtral-8x7B's 46.7B parameters in bf16
 
 
+def test_a_mixture_of_experts_step_reads_the_experts_its_tokens_route_to():
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+    s, expert = model_shape(MIXTRAL_8X7B), 2 * 3 * 4096 * 14336
+    assert s.routed == 2
+    assert s.layer_read_bytes(1) == s.layer_bytes - 6 * expert  # one token: 2 of the 8 experts
+    assert s.layer_read_bytes(4) == round(s.layer_bytes - 8 * 0.75 ** 4 * expert)
+    assert s.layer_bytes - s.layer_read_bytes(64) < 1e-6 * s.layer_bytes  # a large batch: all of them
+    assert s.active_layer_elems * 2 == s.layer_bytes - 6 * expert
+    dense = model_shape(LLAMA_8B)
+    assert dense.layer_read_bytes(1) == dense.layer_bytes and dense.active_layer_elems * 2 == dense.layer_bytes
+
+
 def test_a_model_larger_than_the_gpu_splits_by_both_memories():
     # Llama-3.1-70B shape (141 GB in bf16) on an 80 GB GPU and 110Gi of host RAM for the cpu stage
     from vllm_hybrid.tinymodel import LLAMA_3_1_70B
