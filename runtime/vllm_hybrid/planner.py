@@ -290,16 +290,19 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
     stages = []
     first = 0
     for i, (s, count, budget) in enumerate(zip(plan.stages, counts, budgets)):
-        weights = count * shape.layer_bytes + _fixed_bytes(shape, i, n)
-        kv = 0 if budget is None else budget - weights
-        need = weights + count * min_kv_per_layer
+        # offload and coprocessor: a cpu stage's layers are streamed weights only (offload's as pinned
+        # copies), their KV lives on the GPU that computes them
+        streamed = s.is_cpu and strategy in ("offload", "coprocessor") and bool(gpus)
+        layer = shape.pinned_layer_bytes if streamed and strategy == "offload" else shape.layer_bytes
+        weights = count * layer + _fixed_bytes(shape, i, n)
+        kv_floor = 0 if streamed else count * min_kv_per_layer
+        need = weights + kv_floor
         if budget is not None and need > budget:
             raise PlanError(
                 f"stages[{i}] ({s.name}): does not fit: {count} layers need {need / GiB:.2f} GiB "
                 f"(weights {weights / GiB:.2f} GiB + KV for one {plan.max_model_len}-token sequence "
-                f"{count * min_kv_per_layer / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB "
-                f"({_budget_note(s)})")
-        kv = max(0, kv)
+                f"{kv_floor / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB ({_budget_note(s)})")
+        kv = 0 if budget is None or streamed else budget - weights
         stages.append(StagePlan(s, i, first, count, weights, budget or 0, kv,
                                 kv // (count * shape.kv_bytes_per_token_per_layer), beside[i],
                                 None if s.is_cpu else (s.memory_bytes or gpu_memory_bytes)))

@@ -162,3 +162,22 @@ def test_offload_counts_the_pinned_copies_as_torch_allocates_them():
     for strategy, held in (("offload", 15), ("pipeline", 18)):
         with pytest.raises(PlanError, match=f"cpu fits {held}\\)"):
             split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), strategy)
+
+
+def test_explicit_layers_of_a_streamed_cpu_stage_are_checked_at_the_size_they_take():
+    # 41 layers of the 70B shape: 65.2 GiB as plain weights, 76.9 GiB as offload's pinned copies; a cpu
+    # stage of 75Gi holds them under pipeline and coprocessor (no KV there), not under offload
+    from vllm_hybrid.tinymodel import LLAMA_3_1_70B
+    shape = model_shape(LLAMA_3_1_70B)
+    stages = [{"name": "gpu", "device": "gpu", "layers": 39, "gpu_memory_utilization": 0.92},
+              {"name": "cpu", "device": "cpu", "layers": 41, "cpus": 8, "memory": "75Gi"}]
+    with pytest.raises(PlanError, match=r"stages\[1\] \(cpu\): does not fit: 41 layers need 78\.\d\d GiB"):
+        split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "offload")
+    for strategy in ("pipeline", "coprocessor"):
+        cpu = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), strategy).stages[1]
+        assert cpu.weight_bytes > 41 * shape.layer_bytes
+    # what `vllm-hybrid plan` says of it: the coprocessor's cpu stage keeps weights only, pipeline's a KV cache
+    coproc = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "coprocessor")
+    pipe = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "pipeline")
+    assert coproc.stages[1].kv_bytes == 0 and "KV 0.00 GiB (0 tokens)" in coproc.describe().splitlines()[2]
+    assert pipe.stages[1].kv_bytes == pipe.stages[1].budget_bytes - pipe.stages[1].weight_bytes > 0
