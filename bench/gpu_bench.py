@@ -42,7 +42,7 @@ CONCURRENCY = [int(c) for c in os.environ.get("HYBRID_BENCH_CONCURRENCY", "1,4,1
 PROMPT_TOKENS = int(os.environ.get("HYBRID_BENCH_PROMPT_TOKENS", "128"))
 OUTPUT_TOKENS = int(os.environ.get("HYBRID_BENCH_OUTPUT_TOKENS", "128"))
 READY_TIMEOUT = int(os.environ.get("HYBRID_BENCH_READY_TIMEOUT", "600"))  # plain servers and pipelines alike
-TTFT_TOKENS = [int(n) for n in os.environ.get("HYBRID_BENCH_TTFT", "1024,4096").split(",")]
+TTFT_TOKENS = [int(n) for n in os.environ.get("HYBRID_BENCH_TTFT", "1024,4096").split(",") if n]  # "": none
 # a 70B shape on a CPU stage: vLLM warms up on one full batch of tokens (4096: about 100 s of CPU work)
 SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64,
              max_num_batched_tokens=int(os.environ.get("HYBRID_BENCH_BATCHED_TOKENS", "4096")))

@@ -68,8 +68,8 @@ def planned_table(r: dict) -> str:
                     + f" | {pick} | {auto} |")
         rows.append(f"| wave tok/s, concurrency {c} | "
                     + " | ".join(str(waves[k].get(c, {}).get("tok_per_s", "-")) for k in configs) + " | | |")
-    for n in (configs and r[configs[0]]["ttft_s"]) or ():
-        rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | | |")
+    for n in sorted({n for k in configs for n in r[k]["ttft_s"]}, key=int):  # runs may measure different lengths
+        rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n, "-")) for k in configs) + " | | |")
     for field, label in (("ready_s", "ready (s)"), ("peak_host_gb", "peak host memory, GB"),
                          ("peak_shmem_gb", "peak shared memory, GB"), ("peak_gpu_gb", "peak GPU memory, GB")):
         rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | |")
