@@ -77,17 +77,26 @@ class ModelShape:
         return 3 * self.intermediate * self.hidden if self.experts else 0
 
     @property
+    def layer_expert_bytes(self) -> int:
+        """Bytes of all a layer's experts (the 3-D weights no product split reaches); 0 for a dense model."""
+        return self.experts * self.expert_elems * self.dtype_bytes
+
+    @property
     def active_layer_elems(self) -> int:
         """Weights one token multiplies in a layer: all of a dense layer, the routed experts of a MoE one."""
         return sum(self.layer_tensors) - (self.experts - self.routed) * self.expert_elems
 
-    def layer_read_bytes(self, tokens: int) -> int:
-        """Bytes a step of `tokens` tokens reads from a layer held in memory: a MoE layer's experts that
-        no token routes to stay unread (expected distinct experts of `tokens` independent routings)."""
+    def expert_read_bytes(self, tokens: int) -> int:
+        """Bytes of a layer's experts a step of `tokens` tokens reads: the expected distinct experts of
+        `tokens` independent routings (those no token routes to stay unread)."""
         if not self.experts:
-            return self.layer_bytes
+            return 0
         unread = self.experts * (1 - self.routed / self.experts) ** tokens
-        return round(self.layer_bytes - unread * self.expert_elems * self.dtype_bytes)
+        return round(self.layer_expert_bytes - unread * self.expert_elems * self.dtype_bytes)
+
+    def layer_read_bytes(self, tokens: int) -> int:
+        """Bytes a step of `tokens` tokens reads from a layer held in memory."""
+        return self.layer_bytes - self.layer_expert_bytes + self.expert_read_bytes(tokens)
 
     @property
     def pinned_layer_bytes(self) -> int:

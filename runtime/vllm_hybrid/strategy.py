@@ -196,16 +196,15 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
         stage = plan.stages[i]
         if stage.is_cpu:
             lm = shape.embedding_bytes if k == len(lay.stages) - 1 else 0  # the last stage's LM head, read every step
-            cores, experts = stage.cpus or 1, n * shape.experts * shape.expert_elems * shape.dtype_bytes
+            cores = stage.cpus or 1
             if lay.helper_of(i) is not None:
                 # the helper splits the 2-D products; a mixture's experts (3-D) stay on the CPU, as in pipeline
-                weights = n * shape.layer_bytes - experts + lm
+                weights = n * (shape.layer_bytes - shape.layer_expert_bytes) + lm
                 rates, calls, gb = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s, weights / 1e9
                 moe_flops = 2 * n * shape.routed * shape.expert_elems
                 step += (split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
                          + c * gb * hw.split_token_s_per_gb
-                         + cpu_pass_s(n * shape.layer_read_bytes(c) - (n * shape.layer_bytes - experts), moe_flops,
-                                      c, cores, shape, hw))
+                         + cpu_pass_s(n * shape.expert_read_bytes(c), moe_flops, c, cores, shape, hw))
                 chunk = min(prompt, plan.max_num_batched_tokens)
                 prefill += (chunks * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
                             + prompt * gb * hw.split_prefill_s_per_gb
@@ -220,7 +219,7 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
             if c <= hw.coproc_max_rows:
                 # the 2-D products are split with the CPU; a mixture's experts (3-D) stream whole, as in offload
                 layers = round(lay.offload_bytes[k] / shape.layer_bytes)
-                experts = layers * shape.experts * shape.expert_elems * shape.dtype_bytes
+                experts = layers * shape.layer_expert_bytes
                 products = (2 if shape.experts else 4) * layers
                 step += ((lay.offload_bytes[k] - experts) / (hw.coproc_gbs * 1e9) + experts / (hw.prefetch_pcie_gbs * 1e9)
                          + products * hw.coproc_call_s + c * hw.coproc_token_s)

@@ -42,7 +42,7 @@ def stage(device, layers, **kw):
 
 
 def envs_for(stages, cpu_cpus="1-7", cpu_env=None, gpu_env=None):
-    return [gpu_env or GPU_ENV if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus, **(cpu_env or {})} for s in stages]
+    return [(gpu_env or GPU_ENV) if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus, **(cpu_env or {})} for s in stages]
 
 
 def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
