@@ -73,9 +73,16 @@ def planned_table(r: dict) -> str:
     for field, label in (("ready_s", "ready (s)"), ("peak_host_gb", "peak host memory, GB"),
                          ("peak_shmem_gb", "peak shared memory, GB"), ("peak_gpu_gb", "peak GPU memory, GB")):
         rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | |")
+    # a concurrency run alone (another lease): its own ready time and peaks
+    for c in sorted({c for k in configs for c, w in waves[k].items() if "lease" in w}):
+        for field, label in (("lease", "lease"), ("ready_s", "ready (s)"), ("peak_host_gb", "peak host memory, GB"),
+                             ("peak_gpu_gb", "peak GPU memory, GB")):
+            rows.append(f"| {label}, concurrency-{c} run | "
+                        + " | ".join(str(waves[k].get(c, {}).get(field, "-")) for k in configs) + " | | |")
     rows.append("| layers (planner) | " + " | ".join(
         " + ".join(f"{n} {v}" for n, v in plans.get(runs[k], {}).get("layers", {}).items()) or "-" for k in configs) + " | | |")
-    return "\n".join(rows + [""] + failed) + "\n"
+    leases = [f"- {lease}: {what}" for lease, what in r.get("leases", {}).items()]
+    return "\n".join(rows + [""] + failed + leases) + "\n"
 
 
 def main(path="bench/results/gpu_bench.json"):
