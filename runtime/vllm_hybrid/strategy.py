@@ -37,6 +37,7 @@ class Hardware:
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
+    cpu_token_speed: float = 1.0  # this box's CPU per decode token against the H200 box's (the H100 box's 70B runs: 0.45)
     pcie_gbs: float = 48.5               # weights streamed per step, effective (offload uva, one token)
     offload_token_s: float = 0.0004      # and each token of a streamed step re-reads weights over UVA
     prefetch_pcie_gbs: float = 55.0      # offload prefetch: copies per step (gpu_bench-prefetch.json: 135 ms at 1)
@@ -49,7 +50,7 @@ class Hardware:
     split_prefill_s_per_gb: float = 2.5e-5  # balanced: each prompt token (copies, attention, norms on the CPU)
     coproc_gbs: float = 85.0             # coprocessor: a decode step's streamed layers, PCIe and CPU rows together
     coproc_call_s: float = 0.00005       # coprocessor: each split product's hand-over (memops, io copies)
-    coproc_token_s: float = 0.0005       # coprocessor: each token of a split step (the CPU rows grow with it)
+    coproc_token_s_per_gb: float = 7.2e-5  # coprocessor: each token of a split step, per GB of split weights
     coproc_max_rows: int = 64            # coprocessor: larger steps stream whole layers (coproc.DEFAULT_SHARES)
     # (the coproc_* figures: gpu_bench-coproc.json, TPOT 84-91 ms at 1-16, 121 ms at 64)
     # (the split_* figures: gpu_bench-onecopy.json, one weight copy on 2 MiB pages)
@@ -181,9 +182,9 @@ def cpu_pass_s(read_bytes: float, flops_per_token: float, c: int, cores: int, sh
     """A CPU stage's decode step of `c` tokens: reading its weights plus each token's products, or, in large
     batches, compute-bound."""
     efficiency = hw.cpu_moe_efficiency if shape.experts else hw.cpu_decode_efficiency
-    return max(read_bytes / (hw.dram_gbs * 1e9 * efficiency)
-               + c * flops_per_token / (cores * hw.cpu_token_tflops_per_core * 1e12),
-               c * flops_per_token / (cores * hw.cpu_decode_tflops_per_core * 1e12))
+    flops = c * flops_per_token / (cores * hw.cpu_token_speed * 1e12)
+    return max(read_bytes / (hw.dram_gbs * 1e9 * efficiency) + flops / hw.cpu_token_tflops_per_core,
+               flops / hw.cpu_decode_tflops_per_core)
 
 
 def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware = Hardware()) -> float:
@@ -203,7 +204,7 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
                 rates, calls, gb = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s, weights / 1e9
                 moe_flops = 2 * n * shape.routed * shape.expert_elems
                 step += (split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
-                         + c * gb * hw.split_token_s_per_gb
+                         + c * gb * hw.split_token_s_per_gb / hw.cpu_token_speed
                          + cpu_pass_s(n * shape.expert_read_bytes(c), moe_flops, c, cores, shape, hw))
                 chunk = min(prompt, plan.max_num_batched_tokens)
                 prefill += (chunks * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
@@ -220,9 +221,9 @@ def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware 
                 # the 2-D products are split with the CPU; a mixture's experts (3-D) stream whole, as in offload
                 layers = round(lay.offload_bytes[k] / shape.layer_bytes)
                 experts = layers * shape.layer_expert_bytes
-                products = (2 if shape.experts else 4) * layers
-                step += ((lay.offload_bytes[k] - experts) / (hw.coproc_gbs * 1e9) + experts / (hw.prefetch_pcie_gbs * 1e9)
-                         + products * hw.coproc_call_s + c * hw.coproc_token_s)
+                products, gb = (2 if shape.experts else 4) * layers, (lay.offload_bytes[k] - experts) / 1e9
+                step += (gb / hw.coproc_gbs + experts / (hw.prefetch_pcie_gbs * 1e9) + products * hw.coproc_call_s
+                         + c * gb * hw.coproc_token_s_per_gb / hw.cpu_token_speed)
             else:
                 step += stream + c * hw.prefetch_token_s
         elif lay.offload_bytes[k] and plan.offload_backend == "prefetch":

@@ -215,3 +215,37 @@ def test_the_mixture_of_experts_cost_model_matches_the_bench():
         _, est = resolve(plan, split_layers(plan, shape), Hardware(dram_gbs=run["dram_read_gbs"]))
         assert est["pipeline"] == pytest.approx(w["tok_per_s"], rel=0.1)
         assert est["balanced"] < 1.05 * est["pipeline"]  # its helper splits attention only: experts stay on the CPU
+
+
+def test_the_70b_cost_model_picks_the_fastest_measured_on_the_h100_box():
+    # bench/results/gpu_bench-70b-h100.json: the four strategies at 1/4/16 (one lease) and 64 (two more), split by the
+    # planner from the box's memories. The box's CPU does a decode token's work at 0.45 of the H200 box's (its
+    # pipeline, balanced and coprocessor steps grow 2-3.6x faster per token there); with that one figure auto
+    # picks the fastest measured at every concurrency, where the H200 figures picked coprocessor at 64 (0.78x)
+    import json
+    from pathlib import Path
+
+    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.tinymodel import LLAMA_3_1_70B
+    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-70b-h100.json").read_text())
+    waves = {s: {w["concurrency"]: w["tok_per_s"] for w in run[f"p-{k}"]["waves"]}
+             for s, k in (("pipeline", "pipeline"), ("offload", "offload"), ("balanced", "balanced"), ("coprocessor", "coproc"))}
+    cpu = {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{run['planned']['host_mib'] - (16 << 10)}Mi"}
+    gpu = {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{run['planned']['gpu_mib']}Mi"}
+    shape = model_shape(LLAMA_3_1_70B, "bfloat16")
+
+    def auto(c, hw):
+        plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "max_num_batched_tokens": 512,
+                               "strategy": "auto", "expected_concurrency": c, "expected_prompt_tokens": 32,
+                               "expected_output_tokens": 16, "hardware": hw, "stages": [cpu, gpu]})
+        split, lay, est = resolve_split(plan, shape)
+        return lay.strategy, est, {s.stage.name: s.layers for s in split.stages}
+
+    for c in (1, 4, 16, 64):
+        measured = {s: waves[s][c] for s in waves}
+        pick, est, layers = auto(c, {"dram_gbs": run["dram_read_gbs"], "cpu_token_speed": 0.45})
+        assert pick == max(measured, key=measured.get)
+        assert pick != "balanced" or layers == run["planned"][f"auto@{c}"]["layers"]  # the split the bench ran
+        for s, tok_s in measured.items():  # a wave also ramps up and down, which the model leaves out (offload: 1.1-1.3x)
+            assert 0.75 < est[s] / tok_s < 1.4, (c, s)
+    assert auto(64, {"dram_gbs": run["dram_read_gbs"]})[0] == "coprocessor" != max(measured, key=measured.get)
