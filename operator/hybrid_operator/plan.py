@@ -14,6 +14,7 @@ from .strategy import running_layers, running_stages
 MODEL_MOUNT = "/models"
 WORKLOAD_KEYS = {"concurrency": "expected_concurrency", "promptTokens": "expected_prompt_tokens",
                  "outputTokens": "expected_output_tokens"}
+HARDWARE_KEYS = {"dramGBs": "dram_gbs", "cpuTokenSpeed": "cpu_token_speed"}
 
 
 def model_location(model: dict[str, Any]) -> str:
@@ -72,6 +73,8 @@ def render_plan(spec: dict[str, Any]) -> dict[str, Any]:
     for key, plan_key in WORKLOAD_KEYS.items():
         if key in spec.get("workload", {}):
             plan[plan_key] = spec["workload"][key]
+    if hardware := {plan_key: spec["hardware"][key] for key, plan_key in HARDWARE_KEYS.items() if key in spec.get("hardware", {})}:
+        plan["hardware"] = hardware
     if "stallTimeoutSeconds" in serving:
         plan["stall_timeout"] = serving["stallTimeoutSeconds"]
     return plan

@@ -115,6 +115,9 @@ INVALID = [
     ("workload-concurrency-too-high", body_with(workload={"concurrency": 4097}), "spec.workload.concurrency"),
     ("workload-string-tokens", body_with(workload={"outputTokens": "256"}), "spec.workload.outputTokens"),
     ("workload-unknown-field", body_with(workload={"requestsPerSecond": 3}), "requestsPerSecond"),
+    ("hardware-zero-dram", body_with(hardware={"dramGBs": 0}), "spec.hardware.dramGBs"),
+    ("hardware-string-speed", body_with(hardware={"cpuTokenSpeed": "slow"}), "spec.hardware.cpuTokenSpeed"),
+    ("hardware-unknown-field", body_with(hardware={"pcieGBs": 50}), "pcieGBs"),
     ("unknown-field", body_with(serving={"maxTokens": 5}), "maxTokens"),
     ("too-many-stages", body_with(stages=stages(2) + [dict(stages(3)[2], name=f"c{i}") for i in range(7)]),
      "spec.stages"),
@@ -166,6 +169,7 @@ VALID = {
     "auto-with-workload-at-max-model-len": make_body(
         strategy="auto", workload={"concurrency": 4096, "promptTokens": 4000, "outputTokens": 96}),
     "auto-partial-workload": make_body(strategy="auto", workload={"concurrency": 1}),
+    "auto-with-hardware": make_body(strategy="auto", hardware={"dramGBs": 94.1, "cpuTokenSpeed": 0.45}),
     "auto-gpu-only": make_body(strategy="auto", stages=stages(1), workload={}),
     "balanced-shared-memory-defaulted": make_body(strategy="balanced"),  # sharedMemory {} -> mode hostPath
     "balanced-cpu-stage-first": make_body(strategy="balanced", stages=[CPU, GPU], sharedMemory={"sizeLimit": "1Gi"}),

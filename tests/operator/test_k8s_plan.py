@@ -71,6 +71,13 @@ def test_workload_goes_to_expected_keys_only_when_given():
     assert "expected_concurrency" not in partial and "expected_prompt_tokens" not in partial
 
 
+def test_hardware_goes_to_the_plan_only_when_given():
+    plan = render_plan(make_body(strategy="auto", hardware={"dramGBs": 94.1, "cpuTokenSpeed": 0.45})["spec"])
+    assert plan["hardware"] == {"dram_gbs": 94.1, "cpu_token_speed": 0.45}
+    assert render_plan(make_body(hardware={"cpuTokenSpeed": 0.5})["spec"])["hardware"] == {"cpu_token_speed": 0.5}
+    assert "hardware" not in render_plan(make_body(hardware={})["spec"]) and "hardware" not in render_plan(make_body()["spec"])
+
+
 def test_stall_timeout_goes_to_the_plan_only_when_given():
     assert render_plan(make_body(serving={"stallTimeoutSeconds": 0})["spec"])["stall_timeout"] == 0  # off
     assert "stall_timeout" not in render_plan(make_body()["spec"])
@@ -161,10 +168,11 @@ def test_runtime_loader_accepts_rendered_plans(n_stages, tp, layers, strategy):
     st = stages(n_stages, tp, layers)
     st[0]["gpuMemory"] = "80Gi"
     spec = make_body(stages=st, serving={"apiKeySecretRef": {"name": "k"}, "extraArgs": ["--enforce-eager"]},
-                     strategy=strategy, workload=WORKLOAD)["spec"]
+                     strategy=strategy, workload=WORKLOAD, hardware={"dramGBs": 94.1, "cpuTokenSpeed": 0.45})["spec"]
     plan = plan_from_dict(yaml.safe_load(yaml.safe_dump(render_plan(spec))))
     assert (plan.strategy, plan.expected_concurrency, plan.expected_prompt_tokens,
             plan.expected_output_tokens) == (strategy, 8, 1024, 128)
+    assert dict(plan.hardware) == {"dram_gbs": 94.1, "cpu_token_speed": 0.45}
     assert [s.name for s in plan.stages] == [s["name"] for s in st]
     assert plan.stages[0].memory_bytes == 80 * 2**30
     assert plan.supervision_port == 29501 and plan.api_port == 8000
