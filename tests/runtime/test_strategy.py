@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 from vllm_hybrid.cpubind import CpuBinding
 from vllm_hybrid.launcher import Identity, helper_command, resolve_stage, vllm_command, vllm_env
@@ -9,6 +12,11 @@ from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 GPU = {"name": "gpu", "device": "gpu", "layers": 16}
 CPU = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "32Gi"}
+
+
+def bench_run(name: str) -> dict:
+    """A committed benchmark result the cost model is checked against."""
+    return json.loads((Path(__file__).parents[2] / "bench/results" / name).read_text())
 
 
 def planned(stages, **over):
@@ -155,9 +163,7 @@ def test_a_deployment_that_routes_clients_to_stage_0_keeps_it_serving():
 def test_the_balanced_cost_model_matches_the_bench():
     # bench/results/gpu_bench-onecopy.json: one H200 lease, CPU stage first (14 CPUs), one copy of its
     # weights on 2 MiB pages, DRAM measured there
-    import json
-    from pathlib import Path
-    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-onecopy.json").read_text())
+    run = bench_run("gpu_bench-onecopy.json")
     hw = Hardware(dram_gbs=run["dram_read_gbs"])
     cpu = {**CPU, "cpus": 14}
     for w, prefetch in zip(run["d-balanced-huge"]["waves"], run["b-prefetch-plain"]["waves"]):
@@ -172,9 +178,7 @@ def test_the_balanced_cost_model_matches_the_bench():
 def test_the_coprocessor_cost_model_matches_the_bench():
     # bench/results/gpu_bench-coproc.json: one H200 lease, coprocessor (13 server threads, 4 KiB and 2 MiB
     # pages) beside vLLM's prefetch offloader; the two coprocessor runs differ by up to 10% (171 / 188 at 16)
-    import json
-    from pathlib import Path
-    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-coproc.json").read_text())
+    run = bench_run("gpu_bench-coproc.json")
     pairs = [(w, p) for k in ("e-coproc", "e-coproc-huge") for w, p in zip(run[k]["waves"], run["b-prefetch-plain"]["waves"])]
     for w, prefetch in pairs:
         plan, split = planned([GPU, {**CPU, "cpus": 14}], strategy="coprocessor", expected_concurrency=w["concurrency"],
@@ -187,9 +191,7 @@ def test_the_coprocessor_cost_model_matches_the_bench():
 
 def test_the_prefetch_offload_cost_model_matches_the_bench():
     # bench/results/gpu_bench-prefetch.json: `strategy: offload` on vLLM's prefetch offloader, one H200 lease
-    import json
-    from pathlib import Path
-    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-prefetch.json").read_text())
+    run = bench_run("gpu_bench-prefetch.json")
     assert run["b-offload"]["offload_verified"]  # the engine said PrefetchOffloader
     for w in run["b-offload"]["waves"]:
         plan, split = planned([GPU, CPU], strategy="offload", expected_concurrency=w["concurrency"],
@@ -201,11 +203,8 @@ def test_the_prefetch_offload_cost_model_matches_the_bench():
 def test_the_mixture_of_experts_cost_model_matches_the_bench():
     # bench/results/gpu_bench-mixtral-h100.json: Mixtral-8x7B shape, pipeline, 7 CPU (14 CPUs) + 25 GPU layers,
     # 32 + 16 tokens; a step reads the experts its tokens route to (the dense reading predicted 3.68 at 1)
-    import json
-    from pathlib import Path
-
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B
-    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-mixtral-h100.json").read_text())
+    run = bench_run("gpu_bench-mixtral-h100.json")
     shape = model_shape(MIXTRAL_8X7B, "bfloat16")
     for w in run["p-pipeline"]["waves"]:
         plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "max_num_batched_tokens": 512,
@@ -222,12 +221,9 @@ def test_the_70b_cost_model_picks_the_fastest_measured_on_the_h100_box():
     # planner from the box's memories. The box's CPU does a decode token's work at 0.45 of the H200 box's (its
     # pipeline, balanced and coprocessor steps grow 2-3.6x faster per token there); with that one figure auto
     # picks the fastest measured at every concurrency, where the H200 figures picked coprocessor at 64 (0.78x)
-    import json
-    from pathlib import Path
-
     from vllm_hybrid.strategy import resolve_split
     from vllm_hybrid.tinymodel import LLAMA_3_1_70B
-    run = json.loads((Path(__file__).parents[2] / "bench/results/gpu_bench-70b-h100.json").read_text())
+    run = bench_run("gpu_bench-70b-h100.json")
     waves = {s: {w["concurrency"]: w["tok_per_s"] for w in run[f"p-{k}"]["waves"]}
              for s, k in (("pipeline", "pipeline"), ("offload", "offload"), ("balanced", "balanced"), ("coprocessor", "coproc"))}
     cpu = {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{run['planned']['host_mib'] - (16 << 10)}Mi"}
