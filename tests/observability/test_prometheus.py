@@ -458,7 +458,11 @@ def test_pipeline_stalled_alert_fires_when_a_worker_hangs(prom, traffic, pipelin
     t0 = time.monotonic()
     try:
         while alert_state(prom, "HybridInferencePipelineStalled") != "firing":
-            assert time.monotonic() - t0 < STALL_TIMEOUT - 3, "PipelineStalled did not fire before the stall timeout"
+            # on failure, which half of the alert's expression was missing (evaluated only then)
+            assert time.monotonic() - t0 < STALL_TIMEOUT - 3, (
+                "PipelineStalled did not fire before the stall timeout; since progress: "
+                f"{values(prom.query('hybrid_stage_seconds_since_progress'))}, requests running: "
+                f"{values(prom.query('vllm:num_requests_running'))}, alert: {alert_state(prom, 'HybridInferencePipelineStalled')}")
             time.sleep(0.5)
         fired = time.monotonic() - t0
         waited = values(prom.query('hybrid_stage_seconds_since_progress{pipeline="demo"}'))
