@@ -27,6 +27,4 @@ bench:
 	bash bench/run.sh
 
 images:
-	docker build -f images/operator/Dockerfile -t hybrid-inference/operator:dev .
-	docker build -f images/runtime-cpu/Dockerfile -t hybrid-inference/runtime-cpu:dev .
-	docker build -f images/runtime-gpu/Dockerfile -t hybrid-inference/runtime-gpu:dev .
+	bash scripts/images.sh

@@ -41,7 +41,8 @@ def unavailable_reason() -> str | None:
 
 
 class Cluster:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, **env: str):
+        """env: kube-up.sh's settings over these (a real node: KUBE_FAKE_NODES=0, KUBE_NODE_LIFECYCLE=1)."""
         self.run_dir = run_dir
         self.kubeconfig = run_dir / "kubeconfig"
         port = free_port
@@ -49,7 +50,7 @@ class Cluster:
                     "KUBECONFIG_OUT": str(self.kubeconfig), "KUBE_FAKE_NODES": "2", "KUBE_FAKE_KUBELET": "1",
                     # free ports: a developer's own control plane may hold the defaults
                     "KUBE_APISERVER_PORT": str(port()), "ETCD_CLIENT_PORT": str(port()),
-                    "ETCD_PEER_PORT": str(port()), "KUBE_KCM_PORT": str(port()), "KUBE_SCHED_PORT": str(port())}
+                    "ETCD_PEER_PORT": str(port()), "KUBE_KCM_PORT": str(port()), "KUBE_SCHED_PORT": str(port()), **env}
         self.http: httpx.Client | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -149,8 +150,8 @@ class Cluster:
             time.sleep(interval)
 
 
-def start(run_dir: Path | None = None) -> Cluster:
-    cluster = Cluster(run_dir or Path(tempfile.mkdtemp(prefix="kube-")))
+def start(run_dir: Path | None = None, **env: str) -> Cluster:
+    cluster = Cluster(run_dir or Path(tempfile.mkdtemp(prefix="kube-")), **env)
     try:
         cluster.up()
     except Exception:

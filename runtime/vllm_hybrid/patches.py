@@ -523,7 +523,9 @@ def die_with_parent() -> None:
     import ctypes
     import signal
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before the call above took effect
+    # orphaned before the call above took effect: re-parented to init. In a container the launcher
+    # itself is PID 1 (it stops the whole group), so there a parent of 1 is just the launcher.
+    if os.getppid() == 1 and os.environ.get("HYBRID_LAUNCHER_PID") != "1":
         os.kill(os.getpid(), signal.SIGKILL)
     APPLIED.append("die with parent")
 

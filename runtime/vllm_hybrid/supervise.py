@@ -293,6 +293,7 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
     cannot compute without it).
     stall: the worker's progress record; no progress with requests pending -> EXIT_STALLED."""
     stopping = threading.Event()
+    env = {**env, "HYBRID_LAUNCHER_PID": str(os.getpid())}  # vLLM's die-with-parent check reads it
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     if janitor and (removed := janitor.cleanup_previous()):
         log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))

@@ -47,3 +47,25 @@ def test_large_cpu_tensors_are_filled_by_tiling_a_seeded_block(monkeypatch):
     assert torch.equal(w.view(10, -1), block.expand(10, -1))
     assert w.abs().max() <= 1e-3 and w.std() > 1e-4
     assert all(torch.equal(patched[k], upstream[k]) for k in ("1.weight", "1.bias"))  # below 4 tiles: upstream's
+
+
+def _under_pid_one(launcher_pid_env: bool) -> str:
+    """A process whose parent is PID 1 of a new PID namespace, as vLLM's first process is in a pod."""
+    import os
+    import subprocess
+    import sys
+    child = "from vllm_hybrid.patches import die_with_parent; die_with_parent(); print('alive', flush=True)"
+    init = ("import os, subprocess, sys; env = dict(os.environ); "
+            + ("env['HYBRID_LAUNCHER_PID'] = str(os.getpid()); " if launcher_pid_env else "")
+            + f"r = subprocess.run([sys.executable, '-c', {child!r}], env=env); print('code', r.returncode)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(["unshare", "--fork", "--pid", sys.executable, "-c", init], env=env, capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+
+
+def test_a_stage_whose_launcher_is_pid_one_keeps_running():
+    """In a container the launcher is PID 1: vLLM's processes see a parent of 1 and must not take it for
+    an orphaning (they SIGKILLed themselves at start, a restart loop on every real node)."""
+    assert _under_pid_one(launcher_pid_env=True).split() == ["alive", "code", "0"]
+    # an orphan re-parented to an init that is not the launcher still goes down
+    assert _under_pid_one(launcher_pid_env=False).split() == ["code", "-9"]

@@ -63,6 +63,9 @@ def test_prepared_model_dir_is_complete(smollm2):
     assert "quantization_config" not in config  # plain float32 weights, nothing left for a GGUF kernel
     assert (smollm2 / "model.safetensors").stat().st_size > 500 << 20
     assert "<|im_start|>" in (smollm2 / "chat_template.jinja").read_text()
+    # stages run as uid 1000 on a volume prepared by root: every file readable, every dir searchable
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (smollm2, *smollm2.iterdir())}
+    assert set(modes.values()) <= {0o644, 0o755} and modes["model.safetensors"] == 0o644, modes
 
 
 def test_greedy_tokens_match_single_process(pipeline, smollm2, prompts):

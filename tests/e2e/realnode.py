@@ -1,0 +1,97 @@
+"""A real node for end-to-end tests: ../shared/node's kubelet, containerd and runc beside a control plane of
+our own (tests/kube_cluster.py without fake nodes), and the project's images built by `make images`'
+script and loaded into the node's containerd.
+
+What a machine already has is reused (README of ../shared/node): the stand-in base image's tar, buildah's
+layers and pip's cache mount, and the node's containerd store, which outlives the node (node-down.sh
+without --purge): an image whose build did not change is neither exported nor imported again.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import kube_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_SCRIPTS = Path(os.environ.get("HYBRID_NODE_DIR", ROOT.parent / "shared" / "node"))
+# machine-wide, not per checkout: CI's clean clones reuse it
+CACHE = Path(os.environ.get("HYBRID_E2E_CACHE", Path.home() / ".cache" / "hybrid-inference-e2e"))
+IMAGE_PREFIX = "localhost/hybrid-inference/"
+BUILD_LABEL = "hybrid.inference.dev/build"
+
+
+def unavailable_reason() -> str | None:
+    if reason := kube_cluster.unavailable_reason():
+        return reason
+    if not (NODE_SCRIPTS / "node-up.sh").exists():
+        return f"no real-node scripts at {NODE_SCRIPTS} (set HYBRID_NODE_DIR)"
+    if os.geteuid() != 0:
+        return "a real node needs root (containerd, kubelet, bridge CNI)"
+    return None
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> str:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"{' '.join(cmd[:3])}... failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+class RealNode:
+    """The control plane (no fake nodes, the node-lifecycle controller on) and one real node."""
+
+    def __init__(self, work: Path, cpu_manager: str = "none"):
+        self.work = work
+        self.cluster = kube_cluster.Cluster(work / "kube", KUBE_FAKE_NODES="0", KUBE_FAKE_KUBELET="0",
+                                            KUBE_NODE_LIFECYCLE="1")
+        self.cluster.kubeconfig = work / "kube" / "run" / "kubeconfig"  # where node-up.sh reads it
+        self.env = {**self.cluster.env, "KUBECONFIG_OUT": str(self.cluster.kubeconfig),
+                    "RN_RUN": str(CACHE / "node"), "RN_IMAGES": str(work / "no-archives"),
+                    "RN_CPU_MANAGER": cpu_manager}
+        self.cluster.env = self.env
+        self.times: dict[str, float] = {}
+
+    def up(self) -> RealNode:
+        t0 = time.monotonic()
+        (self.work / "no-archives").mkdir(parents=True, exist_ok=True)
+        run(["bash", str(NODE_SCRIPTS / "install.sh"), str(kube_cluster.KUBE_BIN)])
+        self.times["control plane"] = self.cluster.up()
+        run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
+        self.times["node up"] = time.monotonic() - t0 - self.times["control plane"]
+        return self
+
+    def down(self) -> None:
+        subprocess.run(["bash", str(NODE_SCRIPTS / "node-down.sh")], env=self.env, capture_output=True, timeout=300)
+        self.cluster.down()
+
+    def ctr(self, *args: str, timeout: float = 900) -> str:
+        sock = CACHE / "node" / "containerd" / "containerd.sock"
+        return run(["ctr", "--address", str(sock), "-n", "k8s.io", *args], timeout=timeout)
+
+    def load_image(self, name: str) -> dict[str, float | str]:
+        """`make images`' build of images/NAME (cached layers make a rebuild of nothing quick), then into
+        the node's containerd unless it holds this very build already. Returns what it took."""
+        ref = f"{IMAGE_PREFIX}{name}:dev"
+        t0 = time.monotonic()
+        base = CACHE / "python-base.tar"
+        run(["bash", str(NODE_SCRIPTS / "base-image.sh"), str(base)], timeout=900)
+        log = run(["bash", str(ROOT / "scripts" / "images.sh"), name],
+                  {**os.environ, "IMAGE_PREFIX": IMAGE_PREFIX.removeprefix("localhost/"), "IMAGE_TAG": "dev",
+                   "IMAGE_BUILDER": "buildah", "IMAGE_BUILD_OPTS": "--pull=never"}, timeout=3000)
+        built = time.monotonic() - t0
+        image_id = run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref]).strip()
+        have = [line for line in self.ctr("images", "ls").splitlines() if line.startswith(ref + " ")]
+        t1 = time.monotonic()
+        if not (have and f"{BUILD_LABEL}={image_id}" in have[0]):
+            archive = CACHE / f"{name}.tar"
+            archive.unlink(missing_ok=True)
+            run(["buildah", "push", "-q", ref, f"docker-archive:{archive}:{ref}"], timeout=1800)
+            self.ctr("images", "import", str(archive), timeout=1800)
+            self.ctr("images", "label", ref, f"{BUILD_LABEL}={image_id}")
+            archive.unlink()
+        size = [line for line in log.splitlines() if line.startswith("images: ")][-1]
+        return {"ref": ref, "build_s": round(built, 1), "load_s": round(time.monotonic() - t1, 1), "image": size}
