@@ -14,7 +14,7 @@ import kopf
 
 from . import kube, metrics
 from .kube import KubeApi
-from .reconcile import handle_pod_event, reconcile
+from .reconcile import clean_shared_memory, handle_pod_event, reconcile
 from .settings import GROUP, MANAGER, PLURAL, VERSION, Settings
 
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -109,9 +109,14 @@ async def resync_instances(memo: kopf.Memo, index: kopf.Index) -> None:
                     log.warning("resync of %s/%s failed: %s", *key, exc)
 
 
-@kopf.on.delete(*RESOURCE, optional=True)  # optional: no finalizer; owner references clean up
-async def forget_instance(name: str, namespace: str, **_: Any) -> None:
-    metrics.set_phase(namespace, name, None)
+@kopf.on.event(*RESOURCE)  # the watch's DELETED event: no finalizer; owner references clean up the children
+async def forget_instance(event: kopf.RawEvent, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    if event.get("type") != "DELETED":
+        return
+    body = plain(event["object"])
+    metrics.set_phase(body["metadata"]["namespace"], body["metadata"]["name"], None)
+    if nodes := await clean_shared_memory(memo.api, body, memo.config):
+        logger.info("shared-memory cleanup on nodes %s", ", ".join(nodes))
 
 
 @kopf.on.event("v1", "pods", labels={"app.kubernetes.io/managed-by": MANAGER})

@@ -11,6 +11,8 @@ from .defaults import with_defaults
 from .events import build_event
 from .kube import ApiError, KubeApi, path_for
 from .render import render_children
+from .render.cleanup import render_shm_cleanup_job
+from .render.pod import shm_host_dir
 from .settings import API_VERSION, Settings
 from .status import compute_status, short_of_pods
 from .strategy import running_stages
@@ -127,3 +129,22 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         await record_event(api, body, "Warning", "GroupRestart",
                            f"replica {index}: {reason}; deleted {', '.join(deleted)} so the pipeline re-forms")
     return deleted
+
+
+async def clean_shared_memory(api: KubeApi, body: dict[str, Any], settings: Settings) -> list[str]:
+    """A deleted hostPath-mode instance: a cleanup Job on every node its pods ran on (render/cleanup.py).
+    Returns those nodes. Best effort: a namespace being deleted refuses the Job, and that is logged."""
+    meta = body["metadata"]
+    if with_defaults(body["spec"])["sharedMemory"]["mode"] != "hostPath":
+        return []
+    pods = await api.list(f"/api/v1/namespaces/{meta['namespace']}/pods", names.instance_selector(meta["name"]))
+    nodes = {p["spec"]["nodeName"]: p["spec"]["containers"][0]["image"] for p in pods if p["spec"].get("nodeName")}
+    for node, image in sorted(nodes.items()):
+        job = render_shm_cleanup_job(body, settings, node, image)
+        try:
+            await api.create(f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs", job)
+        except ApiError as exc:
+            if exc.status != 409:  # 409: a cleanup of this node is already under way
+                log.warning("%s/%s: cannot clean %s on node %s: %s", meta["namespace"], meta["name"],
+                            shm_host_dir(body, settings), node, exc)
+    return sorted(nodes)

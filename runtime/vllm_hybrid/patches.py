@@ -530,10 +530,46 @@ def die_with_parent() -> None:
     APPLIED.append("die with parent")
 
 
+def journal_shm_names(journal: str) -> None:
+    # Not upstream functions: multiprocessing's SharedMemory.__init__ and SemLock.__init__, what vLLM's
+    # message queues and locks are made of, append each /dev/shm name they create to the stage's journal
+    # (O_APPEND, so a line is whole even from many processes). A hard-killed stage never unlinks them; the
+    # launcher's next start removes what the journal names. Its periodic scan alone missed names made
+    # between two scans (a sem.mp-* left after a crash loop, now and then).
+    from multiprocessing import shared_memory, synchronize
+
+    def note(name: str) -> None:
+        fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{name}\n".encode())
+        finally:
+            os.close(fd)
+
+    shm_init, sem_init = shared_memory.SharedMemory.__init__, synchronize.SemLock.__init__
+
+    @functools.wraps(shm_init)
+    def shared_memory_init(self, name=None, create=False, size=0, *args, **kwargs):
+        shm_init(self, name, create, size, *args, **kwargs)
+        if create:
+            note(self._name.lstrip("/"))
+
+    @functools.wraps(sem_init)
+    def semlock_init(self, *args, **kwargs):
+        sem_init(self, *args, **kwargs)
+        if name := getattr(self._semlock, "name", None):  # None: unlinked at once (fork context)
+            note("sem." + name.lstrip("/"))
+
+    shared_memory.SharedMemory.__init__ = shared_memory_init
+    synchronize.SemLock.__init__ = semlock_init
+    APPLIED.append("SharedMemory/SemLock.__init__(journal /dev/shm names)")
+
+
 def apply_all() -> list[str]:
     if APPLIED:
         return APPLIED  # plugins may be loaded several times in one process
     die_with_parent()
+    if journal := os.environ.get("HYBRID_SHM_JOURNAL"):
+        journal_shm_names(journal)
     from vllm.distributed import parallel_state
     from vllm.platforms import current_platform
 

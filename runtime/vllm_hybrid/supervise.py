@@ -183,9 +183,10 @@ class ShmJanitor:
 
     def __init__(self, state: str, shm_dir: str = "/dev/shm"):
         self.state, self.dir, self.owned = state, shm_dir, set()
+        self.journal = state + ".journal"  # names vLLM's processes write as they create them (patches.py)
 
     def record(self, pids) -> None:
-        found = shm_in_use(pids) - self.owned - {os.path.basename(self.state)}
+        found = shm_in_use(pids) - self.owned - {os.path.basename(self.state), os.path.basename(self.journal)}
         if found:
             self.owned |= found
             tmp = self.state + ".tmp"
@@ -193,8 +194,15 @@ class ShmJanitor:
                 json.dump(sorted(self.owned), f)
             os.replace(tmp, self.state)
 
+    def journaled(self) -> set[str]:
+        try:
+            with open(self.journal) as f:
+                return {line.strip() for line in f if line.strip() and "/" not in line}
+        except OSError:
+            return set()
+
     def cleanup(self, names=None) -> list[str]:
-        names = self.owned if names is None else names
+        names = (self.owned if names is None else set(names)) | self.journaled()
         busy = shm_in_use(int(p) for p in os.listdir("/proc") if p.isdigit())
         removed = []
         for name in sorted(set(names) - busy):  # never one a live process still maps
@@ -209,17 +217,19 @@ class ShmJanitor:
         try:
             names = json.load(open(self.state))
         except (OSError, ValueError):
-            return []
+            names = []
         removed = self.cleanup(names)
-        os.unlink(self.state)
+        self._forget()
         return removed
 
     def finish(self) -> None:
         self.cleanup()
-        try:
-            os.unlink(self.state)
-        except OSError:
-            pass
+        self._forget()
+
+    def _forget(self) -> None:
+        for path in (self.state, self.journal):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def group_members(pgid: int) -> dict[int, bool]:
@@ -294,6 +304,8 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
     stall: the worker's progress record; no progress with requests pending -> EXIT_STALLED."""
     stopping = threading.Event()
     env = {**env, "HYBRID_LAUNCHER_PID": str(os.getpid())}  # vLLM's die-with-parent check reads it
+    if janitor:
+        env["HYBRID_SHM_JOURNAL"] = janitor.journal
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     if janitor and (removed := janitor.cleanup_previous()):
         log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
@@ -311,7 +323,7 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
     try:
         while True:
             if janitor and time.monotonic() >= next_scan:
-                next_scan = time.monotonic() + 5
+                next_scan = time.monotonic() + 2
                 janitor.record(process_tree(proc.pid))
             code = proc.poll()
             if code is not None:

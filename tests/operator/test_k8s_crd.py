@@ -143,6 +143,9 @@ INVALID = [
      "spec.stages[1].env[0].value"),
     ("too-many-env", body_with(set_in(["stages", 1, "env"], [{"name": f"V{i}"} for i in range(33)])),
      "spec.stages[1].env"),
+    ("cache-claim-and-host-path", body_with(cache={"claimName": "c", "hostPath": "/var/cache/x"}), "spec.cache"),
+    ("cache-empty", body_with(cache={}), "spec.cache: set exactly one"),
+    ("cache-relative-host-path", body_with(cache={"hostPath": "cache"}), "spec.cache.hostPath"),
 ]
 
 
@@ -199,6 +202,8 @@ VALID = {
                  "apiKeySecretRef": {"name": "api"}, "extraArgs": ["--enforce-eager"], "stallTimeoutSeconds": 600},
         images={"gpu": "r/gpu:1", "cpu": "r/cpu:1", "pullPolicy": "Always", "pullSecrets": ["reg"]},
         monitoring={"port": 9200, "scrapeAnnotations": False}),
+    "cache-claim": make_body(cache={"claimName": "vllm-cache"}),
+    "cache-host-path": make_body(cache={"hostPath": "/var/cache/hybrid/llama"}),
 }
 
 

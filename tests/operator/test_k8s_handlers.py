@@ -20,7 +20,7 @@ HI = "hybrid.inference.dev/v1alpha1/hybridinferences"
 RESOURCES = {
     "v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/pods": "Pod", "v1/events": "Event",
     "apps/v1/statefulsets": "StatefulSet", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
-    HI: "HybridInference",
+    "batch/v1/jobs": "Job", HI: "HybridInference",
 }
 SETTINGS = Settings(network_policy=True)
 
@@ -431,3 +431,38 @@ async def test_kopf_handlers_are_registered_and_delegate(kmock, api):
         kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
     await handlers.pod_changed(event={"type": "MODIFIED", "object": restarted}, memo=memo)
     assert not live(kmock, "v1/pods")
+
+
+async def test_a_deleted_hostpath_instance_gets_a_cleanup_job_on_each_node_its_pods_ran_on(kmock, api):
+    """The kubelet made its /dev/shm directory on every node that ran a pod; the DELETED event's handler
+    asks each of those nodes to remove it (tests/e2e/test_real_node.py watches it happen on a real node)."""
+    import logging
+
+    import kopf
+    from hybrid_operator import handlers
+
+    body = make_body(stages=stages(3))
+    for name, node, image in (("llama-gpu-0", "gpu-node", "r/gpu:1"), ("llama-cpu-0", "gpu-node", "r/cpu:1"),
+                              ("llama-cpu2-0", "cpu-node", "r/cpu:1")):
+        p = pod(name.split("-")[1], 0, 0)
+        p["metadata"]["name"] = name
+        p["spec"] = {"nodeName": node, "containers": [{"name": "vllm", "image": image}]}
+        kmock.objects["v1/pods", "ml", name] = p
+    memo = kopf.Memo(api=api, config=SETTINGS)
+    await handlers.forget_instance(event={"type": "MODIFIED", "object": body}, memo=memo, logger=logging.getLogger("t"))
+    assert not live(kmock, "batch/v1/jobs")  # only the DELETED event
+    await handlers.forget_instance(event={"type": "DELETED", "object": body}, memo=memo, logger=logging.getLogger("t"))
+    jobs = live(kmock, "batch/v1/jobs")
+    nodes = {j["spec"]["template"]["spec"]["nodeName"]: j for j in jobs.values()}
+    assert set(nodes) == {"gpu-node", "cpu-node"}
+    for job in jobs.values():
+        spec = job["spec"]["template"]["spec"]
+        assert job["spec"]["ttlSecondsAfterFinished"] == 0 and spec["restartPolicy"] == "Never"
+        assert spec["volumes"] == [{"name": "shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}]
+        assert "rm -rf /host/hybrid-inference/ml.llama.01234567 " in spec["containers"][0]["command"][2]
+    assert nodes["cpu-node"]["spec"]["template"]["spec"]["containers"][0]["image"] == "r/cpu:1"
+
+    private = make_body(name="other", sharedMemory={"mode": "none", "sizeLimit": "1Gi"})
+    await handlers.forget_instance(event={"type": "DELETED", "object": private}, memo=memo,
+                                   logger=logging.getLogger("t"))
+    assert len(live(kmock, "batch/v1/jobs")) == 2  # a private /dev/shm leaves nothing on the node

@@ -75,7 +75,7 @@ def test_children_for_every_shape(mode, n_stages, tp, replicas):
             assert shm["hostPath"] == {"path": "/dev/shm/hybrid-inference/ml.llama.01234567",
                                        "type": "DirectoryOrCreate"}
             assert mount["subPathExpr"] == "replica-$(HYBRID_REPLICA)"
-            assert pod["initContainers"][0]["command"] == ["sh", "-c", "chmod 1777 /dev/shm"]
+            assert pod["initContainers"][0]["command"] == ["chmod", "1777", "/dev/shm"]
             if index == 0:
                 assert affinity is None
             else:
@@ -351,3 +351,28 @@ def test_memory_quantities_add_exactly():
     assert from_bytes(1000) == "1000" and from_bytes(16 * 10**9) == "15625000Ki"
     with pytest.raises(ValueError):
         to_bytes("64GB")
+
+
+@pytest.mark.parametrize("mode", ["hostPath", "none"])
+def test_cache_outlives_the_pod_only_where_the_spec_names_a_volume(mode):
+    """/cache (vLLM's compile cache) is an emptyDir unless spec.cache names a claim or a host directory;
+    a host directory is opened to uid 1000 by the root init container, as /dev/shm's is."""
+    def pods(**spec):
+        body = make_body(sharedMemory={"mode": mode, **({"sizeLimit": "1Gi"} if mode == "none" else {})}, **spec)
+        return [s["spec"]["template"]["spec"] for s in by_kind(render_children(body), "StatefulSet")]
+
+    def cache(pod):
+        return next(v for v in pod["volumes"] if v["name"] == "cache")
+
+    for pod in pods():
+        assert cache(pod) == {"name": "cache", "emptyDir": {}}
+        assert [c["name"] for c in pod.get("initContainers", [])] == (["host-dir-permissions"] if mode == "hostPath"
+                                                                      else [])
+    for pod in pods(cache={"claimName": "vllm-cache"}):
+        assert cache(pod) == {"name": "cache", "persistentVolumeClaim": {"claimName": "vllm-cache"}}
+        assert {"name": "cache", "mountPath": "/cache"} in pod["containers"][0]["volumeMounts"]
+    for pod in pods(cache={"hostPath": "/var/cache/llama"}):
+        assert cache(pod) == {"name": "cache", "hostPath": {"path": "/var/cache/llama", "type": "DirectoryOrCreate"}}
+        init = pod["initContainers"][0]
+        assert init["command"] == ["chmod", "1777", *(["/dev/shm"] if mode == "hostPath" else []), "/cache"]
+        assert init["securityContext"]["runAsUser"] == 0

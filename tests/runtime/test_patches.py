@@ -69,3 +69,32 @@ def test_a_stage_whose_launcher_is_pid_one_keeps_running():
     assert _under_pid_one(launcher_pid_env=True).split() == ["alive", "code", "0"]
     # an orphan re-parented to an init that is not the launcher still goes down
     assert _under_pid_one(launcher_pid_env=False).split() == ["code", "-9"]
+
+
+def test_shm_names_are_journaled_as_they_are_made_and_removed_at_the_next_start(tmp_path):
+    """What a hard-killed stage leaves in /dev/shm (vLLM's message-queue segments, multiprocessing's
+    semaphores) is named in the journal the moment it is made, so the stage's next start removes all of it."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_hybrid.supervise import ShmJanitor
+    janitor = ShmJanitor(str(tmp_path / "stage.json"))
+    child = (
+        "import multiprocessing as mp, os, signal, sys\n"
+        "from multiprocessing import resource_tracker, shared_memory\n"
+        "from vllm_hybrid.patches import journal_shm_names\n"
+        "resource_tracker.register = lambda *a: None  # the tracker dies with the stage: nobody unlinks\n"
+        "journal_shm_names(sys.argv[1])\n"
+        "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
+        "lock = mp.get_context('spawn').Lock()\n"
+        "print(shm.name.lstrip('/'), 'sem.' + lock._semlock.name.lstrip('/'), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", child, janitor.journal], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == -9, proc.stderr
+    made = set(proc.stdout.split())
+    assert len(made) == 2 and made <= set(os.listdir("/dev/shm"))  # left behind by the SIGKILL
+    assert janitor.journaled() == made
+    assert set(janitor.cleanup_previous()) == made
+    assert not made & set(os.listdir("/dev/shm")) and not os.path.exists(janitor.journal)

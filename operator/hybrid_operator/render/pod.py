@@ -151,7 +151,7 @@ def _volumes(body: dict[str, Any], settings: Settings) -> list[dict[str, Any]]:
     volumes = [
         {"name": "plan", "configMap": {"name": names.plan_configmap(name)}},
         shm_volume,
-        {"name": "cache", "emptyDir": {}},
+        _cache_volume(spec),
         {"name": "tmp", "emptyDir": {}},
     ]
     if "volume" in spec["model"]:
@@ -159,6 +159,16 @@ def _volumes(body: dict[str, Any], settings: Settings) -> list[dict[str, Any]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": vol["claimName"],
                                                                    "readOnly": vol["readOnly"]}})
     return volumes
+
+
+def _cache_volume(spec: dict[str, Any]) -> dict[str, Any]:
+    """/cache: kept across pods where spec.cache names a volume, so a restart skips torch.compile."""
+    cache = spec.get("cache", {})
+    if "claimName" in cache:
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
+    if "hostPath" in cache:
+        return {"name": "cache", "hostPath": {"path": cache["hostPath"], "type": "DirectoryOrCreate"}}
+    return {"name": "cache", "emptyDir": {}}
 
 
 def _mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -177,14 +187,21 @@ def _mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return mounts
 
 
-def _shm_permissions_init(image: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+def _host_dirs_init(spec: dict[str, Any], image: str, env: list[dict[str, Any]]) -> dict[str, Any] | None:
     """kubelet creates hostPath/subPath dirs root-owned 0755; open them to the non-root runtime."""
+    mounts = []
+    if spec["sharedMemory"]["mode"] == "hostPath":
+        mounts.append(_shm_mount(True))
+    if "hostPath" in spec.get("cache", {}):
+        mounts.append({"name": "cache", "mountPath": CACHE_DIR})
+    if not mounts:
+        return None
     return {
-        "name": "shm-permissions",
+        "name": "host-dir-permissions",
         "image": image,
-        "command": ["sh", "-c", "chmod 1777 /dev/shm"],
+        "command": ["chmod", "1777", *(m["mountPath"] for m in mounts)],
         "env": [copy.deepcopy(e) for e in env if e["name"] == "HYBRID_REPLICA"],
-        "volumeMounts": [_shm_mount(True)],
+        "volumeMounts": mounts,
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "10m", "memory": "16Mi"}},
         # Root only to chmod its own directory; no capabilities needed for that.
         "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
@@ -242,8 +259,8 @@ def render_pod_template(body: dict[str, Any], index: int, settings: Settings, pl
         "containers": [container],
         "volumes": _volumes(body, settings),
     }
-    if spec["sharedMemory"]["mode"] == "hostPath":
-        pod_spec["initContainers"] = [_shm_permissions_init(image, env)]
+    if init := _host_dirs_init(spec, image, env):
+        pod_spec["initContainers"] = [init]
     if affinity := _affinity(body, index):
         pod_spec["affinity"] = affinity
     if stage.get("nodeSelector"):

@@ -1,0 +1,216 @@
+"""Real pods on a real node (tests/e2e/realnode.py): the images built from images/ by `make images`' script,
+the chart installed with the operator running in the cluster (its image, ServiceAccount, in-cluster
+configuration, liveness probe), and a two-stage CPU HybridInference of SmolLM2-135M-Instruct from a
+PersistentVolume, once in a `restricted` namespace (sharedMemory none) and once in a privileged one
+(hostPath /dev/shm). Each answers through its client Service, restarts as a group, scales to 0 and back,
+and leaves nothing behind when deleted. Tests run in file order and build on each other.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import realnode
+from vllm_hybrid.realmodel import DEFAULT_DIR, prepare_model
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "hybrid-inference"
+QUESTION = "What is the capital of France?"
+REPORT: dict[str, dict] = {}
+# (namespace labels, spec.sharedMemory, how /cache outlives a pod)
+MODES = {
+    "restricted": ({"pod-security.kubernetes.io/enforce": "restricted"}, {"mode": "none", "sizeLimit": "1Gi"}, "claim"),
+    "privileged": ({"pod-security.kubernetes.io/enforce": "privileged"}, {"mode": "hostPath"}, "hostPath"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    print("\n[real node] " + json.dumps(REPORT, indent=1))
+    if out := os.environ.get("HYBRID_REPORT_DIR"):
+        Path(out, "real_node.json").write_text(json.dumps(REPORT, indent=1))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    if reason := realnode.unavailable_reason():  # CI has ../shared beside the checkout and runs as root
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
+    n = realnode.RealNode(tmp_path_factory.mktemp("realnode"))
+    try:
+        REPORT["node"] = {k: round(v, 1) for k, v in n.up().times.items()}
+        yield n
+    finally:
+        n.down()
+
+
+@pytest.fixture(scope="module")
+def images(node):
+    return {name: node.load_image(name) for name in ("operator", "runtime-cpu")}
+
+
+@pytest.fixture(scope="module")
+def operator(node, images):
+    kube = node.cluster
+    t0 = time.monotonic()
+    kube.helm("install", "hybrid-inference", str(CHART), "--namespace", "hybrid-system", "--create-namespace",
+              "--set", f"image.repository={images['operator']['ref'].rsplit(':', 1)[0]}", "--set", "image.tag=dev",
+              "--set", "image.pullPolicy=Never", "--set", f"runtimeImages.cpu={images['runtime-cpu']['ref']}",
+              "--set", "statusIntervalSeconds=3",
+              # the two 1-CPU stages take both cores of this 2-core node: the operator requests none
+              "--set-string", "resources.requests.cpu=0")
+    kube.kubectl("-n", "hybrid-system", "rollout", "status", "deployment/hybrid-inference-operator", "--timeout=120s")
+    pod = kube.get("pods", "-n", "hybrid-system", "-l", "app.kubernetes.io/instance=hybrid-inference")["items"][0]
+    REPORT["operator"] = {"helm install to running": round(time.monotonic() - t0, 1)}
+    return pod["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def model(node):
+    """prepare-model's dir (build/ cache shared with `make demo`), exposed through a hostPath PersistentVolume."""
+    return prepare_model(ROOT / DEFAULT_DIR)
+
+
+def test_images_build_and_load_into_the_node(images):
+    REPORT["images"] = images
+    for name, image in images.items():
+        assert f"hybrid-inference/{name}:dev built by buildah" in image["image"]
+
+
+def test_operator_runs_in_the_cluster_with_the_charts_service_account(node, operator):
+    kube = node.cluster
+    pod = kube.get("pod", operator, "-n", "hybrid-system")
+    assert pod["spec"]["serviceAccountName"] == "hybrid-inference-operator"
+    assert pod["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # in-cluster configuration: the ServiceAccount token the kubelet mounted, the apiserver through Service kubernetes
+    kube.wait(lambda: "Initial authentication has finished" in kube.kubectl("logs", "-n", "hybrid-system", operator).stdout,
+              60, "the operator to log in from inside the cluster")
+
+
+def volumes(name: str, ns: str, path: Path, mode: str) -> list[dict]:
+    access = "ReadOnlyMany" if mode == "ReadOnlyMany" else "ReadWriteMany"
+    return [{"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{name}"},
+             "spec": {"capacity": {"storage": "2Gi"}, "accessModes": [access], "storageClassName": "",
+                      "hostPath": {"path": str(path), "type": "Directory"}, "claimRef": {"namespace": ns, "name": name}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+             "spec": {"accessModes": [access], "storageClassName": "", "volumeName": f"{ns}-{name}",
+                      "resources": {"requests": {"storage": "2Gi"}}}}]
+
+
+def instance(ns: str, shared_memory: dict, cache: dict) -> dict:
+    return {"apiVersion": "hybrid.inference.dev/v1alpha1", "kind": "HybridInference",
+            "metadata": {"name": "smol", "namespace": ns},
+            "spec": {"model": {"path": DEFAULT_DIR.name, "volume": {"claimName": "models"}, "servedModelName": "smollm2",
+                               "dtype": "float32", "maxModelLen": 2048},
+                     "stages": [{"name": "head", "device": "cpu", "cpus": 1, "memory": "4Gi"},
+                                {"name": "tail", "device": "cpu", "cpus": 1, "memory": "4Gi"}],
+                     "sharedMemory": shared_memory, "cache": cache, "serving": {"maxNumSeqs": 8},
+                     "images": {"pullPolicy": "Never"}}}
+
+
+def ready(kube, ns: str) -> bool:
+    conditions = (kube.get("hi", "smol", "-n", ns).get("status") or {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def pods(kube, ns: str) -> dict[str, dict]:
+    return {p["metadata"]["name"]: p for p in kube.get("pods", "-n", ns, "-l", "hybrid.inference.dev/instance=smol")["items"]}
+
+
+def ask(kube, ns: str, timeout: float) -> str:
+    """The answer through the client Service's ClusterIP (kube-proxy), as a client in the cluster gets it."""
+    ip = kube.get("service", "smol", "-n", ns)["spec"]["clusterIP"]
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 20, "temperature": 0}
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:  # the first request right after a Service appears may not reach it yet
+            r = httpx.post(f"http://{ip}:8000/v1/chat/completions", json=body, timeout=60)
+            if r.status_code == 200:
+                return r.json()["choices"][0]["message"]["content"]
+            last = f"{r.status_code} {r.text[:300]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(2)
+    raise AssertionError(f"no answer through Service smol in {timeout:.0f} s: {last}")
+
+
+def shm_entries() -> set[str]:
+    return {os.path.join(d, n) for d, dirs, files in os.walk("/dev/shm") for n in dirs + files}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, model, mode):
+    kube, (labels, shared_memory, cache_kind) = node.cluster, MODES[mode]
+    ns, times = f"e2e-{mode}", {}
+    REPORT[mode] = times
+    cache_dir = node.work / "vllm-cache"  # both instances share it: vLLM keys its cache by model, config and stage
+    cache_dir.mkdir(mode=0o777, exist_ok=True)
+    cache_dir.chmod(0o777)  # written by uid 1000 (a PersistentVolume's directory is its admin's to prepare)
+    shm_before = shm_entries()
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels}})
+    objs = volumes("models", ns, model.parent, "ReadOnlyMany")
+    cache = {"hostPath": str(cache_dir)}
+    if cache_kind == "claim":
+        objs += volumes("vllm-cache", ns, cache_dir, "ReadWriteMany")
+        cache = {"claimName": "vllm-cache"}
+    kube.apply(*objs, instance(ns, shared_memory, cache))
+
+    t0 = time.monotonic()
+    times["apply to Ready"] = round(kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready", interval=2), 1)
+    assert "Paris" in ask(kube, ns, 60)
+    times["apply to first answer"] = round(time.monotonic() - t0, 1)
+
+    # the stages' logs show the layer split (the launcher's resolved record)
+    records = {}
+    for i, stage in enumerate(("head", "tail")):
+        log = kube.kubectl("logs", "-n", ns, f"smol-{stage}-0").stdout
+        line = next(ln for ln in log.splitlines() if ln.startswith("vllm-hybrid resolved "))
+        records[stage] = json.loads(line.removeprefix("vllm-hybrid resolved "))
+        assert records[stage]["stage"] == i and records[stage]["partition"] == "15,15"
+    assert (records["head"]["layers"], records["tail"]["layers"]) == ("0-14", "15-29")
+    times["stage cpus"] = {s: r["cpus"] for s, r in records.items()}
+
+    # one stage's pod deleted: the operator restarts the whole group, which serves again
+    before = {n: p["metadata"]["uid"] for n, p in pods(kube, ns).items()}
+    t0 = time.monotonic()
+    kube.kubectl("delete", "pod", "smol-tail-0", "-n", ns, "--wait=false")
+    kube.wait(lambda: all(p["metadata"]["uid"] != before.get(n) for n, p in pods(kube, ns).items())
+              and len(pods(kube, ns)) == 2, 120, "both pods of the group replaced", interval=1)
+    kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after the group restart", interval=2)
+    assert "Paris" in ask(kube, ns, 60)
+    times["pod deleted to answer (group restart)"] = round(time.monotonic() - t0, 1)
+
+    # scale to 0 (no pods) and back to 1
+    kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=0")
+    kube.wait(lambda: not pods(kube, ns), 120, f"{ns}: no pods at replicas 0", interval=1)
+    t0 = time.monotonic()
+    kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=1")
+    kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after scaling back to 1", interval=2)
+    assert "Paris" in ask(kube, ns, 60)
+    times["scale 0 -> 1 to answer"] = round(time.monotonic() - t0, 1)
+
+    # delete: no pod, no child, no Job left, and nothing new in the host's /dev/shm
+    t0 = time.monotonic()
+    kube.kubectl("delete", "hi", "smol", "-n", ns)
+    selector = "hybrid.inference.dev/instance=smol"
+
+    def leftovers():
+        kinds = "pods,statefulsets,services,configmaps,jobs"
+        left = [f"{o['kind']}/{o['metadata']['name']}" for o in kube.get(kinds, "-n", ns, "-l", selector)["items"]]
+        return left + sorted(shm_entries() - shm_before)
+    kube.wait(lambda: not leftovers(), 180, f"{ns}: nothing left of smol", interval=1)
+    times["delete to nothing left"] = round(time.monotonic() - t0, 1)
+    kube.kubectl("delete", "namespace", ns, "--wait=false")
+    kube.kubectl("delete", "pv", f"{ns}-models", *([f"{ns}-vllm-cache"] if cache_kind == "claim" else []),
+                 "--wait=false")
+
+
+def test_the_operator_stayed_healthy(node, operator):
+    status = node.cluster.get("pod", operator, "-n", "hybrid-system")["status"]["containerStatuses"][0]
+    assert status["ready"] and status["restartCount"] == 0, status
