@@ -40,27 +40,30 @@ def strategy_line(plan, lay, estimates) -> str:
 
 def stage_binding(plan, ident, env, reserve: int | None = None):
     """CPU stages: the container's cpuset (HYBRID_CPUS overrides, for local runs) and its NUMA node."""
-    from .cpubind import allowed_cpus, numa_nodes, parse_cpulist, plan_binding
+    from .cpubind import allowed_cpus, format_cpulist, numa_nodes, parse_cpulist, plan_binding, unpinned_binding
     stage = plan.stages[ident.stage]
     if not stage.is_cpu:
         return None
     cpus = parse_cpulist(env["HYBRID_CPUS"]) if env.get("HYBRID_CPUS") else allowed_cpus()
-    if len(cpus) > stage.cpus:
-        # a cpuset wider than the request means no exclusive CPUs (kubelet CPU manager not static):
-        # pin to the stage's share only, taken by pod so co-located stages differ
-        log.warning("cpuset has %d CPUs but stage %s asks for %d: binding to the first %d",
-                    len(cpus), stage.name, stage.cpus, stage.cpus)
-        cpus = cpus[: stage.cpus]
     node = env.get("HYBRID_NUMA_NODE")
+    numa_node = int(node) if node not in (None, "") else None
+    if len(cpus) > stage.cpus:
+        # a cpuset wider than the request: no exclusive cores (the kubelet's CPU manager is not static, or
+        # the pod is not Guaranteed). Pinning would put every stage of the node on the same first cores.
+        log.warning("stage %s: cpuset %s is shared (wider than its %d CPUs; exclusive cores need the kubelet's "
+                    "static CPU manager): threads not pinned, %d OpenMP threads", stage.name,
+                    format_cpulist(cpus), stage.cpus, stage.cpus)
+        return unpinned_binding(cpus, stage.cpus, stage.tensor_parallel,
+                                numa_node if len(numa_nodes()) > 1 else None)
     try:
-        return plan_binding(cpus, numa_nodes(), stage.tensor_parallel, reserve,
-                            numa_node=int(node) if node not in (None, "") else None)
+        return plan_binding(cpus, numa_nodes(), stage.tensor_parallel, reserve, numa_node=numa_node)
     except ValueError as e:
         raise PlanError(f"stages[{ident.stage}] ({stage.name}): {e}") from e
 
 
 def build_stage(args, env: dict[str, str]):
     from .launcher import (
+        binding_cpus,
         helper_command,
         identity_from_env,
         numactl_prefix,
@@ -90,7 +93,7 @@ def build_stage(args, env: dict[str, str]):
         port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
         argv = numactl_prefix(binding, which("numactl")) + server_command(sock, port)
         summary = {"stage": ident.stage, "name": plan.stages[ident.stage].name, "strategy": lay.strategy,
-                   "role": "coprocessor", "for_stage": served[ident.stage], "socket": sock, "cpus": binding.omp_bind,
+                   "role": "coprocessor", "for_stage": served[ident.stage], "socket": sock, "cpus": binding_cpus(binding),
                    "numa_node": binding.numa_node}
         return plan, ident, argv, server_env(binding, env, ident.stage, plan.stages[ident.stage].name), None, summary
     if ident.stage not in lay.stages:

@@ -72,10 +72,20 @@ def numa_nodes(root: str = NUMA_ROOT) -> dict[int, list[int]]:
 
 @dataclass(frozen=True)
 class CpuBinding:
-    omp_bind: str          # VLLM_CPU_OMP_THREADS_BIND: one cpulist per TP rank, '|'-separated
+    omp_bind: str          # VLLM_CPU_OMP_THREADS_BIND: one cpulist per TP rank, '|'-separated; "nobind"
     threads_per_rank: int
     numa_node: int | None  # memory node to bind to, where the host has more than one
     all_cpus: list[int]
+
+    @property
+    def pinned(self) -> bool:
+        return self.omp_bind != "nobind"
+
+
+def unpinned_binding(cpus: list[int], threads: int, tensor_parallel: int = 1,
+                     numa_node: int | None = None) -> CpuBinding:
+    """A cpuset shared with other pods (no exclusive cores): threads float over it, as many as requested."""
+    return CpuBinding("nobind", max(1, threads // tensor_parallel), numa_node, cpus)
 
 
 def plan_binding(cpus: list[int], nodes: dict[int, list[int]], tensor_parallel: int = 1,

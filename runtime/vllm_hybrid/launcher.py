@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cpubind import CpuBinding, parse_cpulist
+from .cpubind import CpuBinding, format_cpulist
 from .plan import Plan, PlanError
 from .planner import COPROC_PREFETCH_STEP, HELPER_CONTEXT, GiB, Split
 from .strategy import Layout, hardware_of, layout, prefetch_groups, slowest_step_s, split_rates
@@ -171,9 +171,11 @@ def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str)
     """Its torch threads one per core of the stage's binding (libgomp places thread i on the i-th CPU)."""
     # OMP_WAIT_POLICY=ACTIVE made each product 8 ms instead of 1.3 (the server's own thread spins too;
     # bench/results/coproc_probe.json): passive, whatever the image sets
-    return dict(base, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(len(parse_cpulist(binding.omp_bind))),
-                GOMP_CPU_AFFINITY=binding.omp_bind.replace(",", " "), OMP_WAIT_POLICY="PASSIVE",
-                HYBRID_STAGE=str(stage), HYBRID_STAGE_NAME=name)
+    env = dict(base, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(binding.threads_per_rank), OMP_WAIT_POLICY="PASSIVE",
+               HYBRID_STAGE=str(stage), HYBRID_STAGE_NAME=name)
+    if binding.pinned:
+        env["GOMP_CPU_AFFINITY"] = binding.omp_bind.replace(",", " ")
+    return env
 
 
 def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sys.executable) -> list[str]:
@@ -249,6 +251,12 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
             "VLLM_CPU_OMP_THREADS_BIND": binding.omp_bind,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the reserve is already left out of omp_bind
         })
+        if not binding.pinned:  # "nobind": vLLM leaves the threads alone; size the pool to the request
+            env["OMP_NUM_THREADS"] = str(binding.threads_per_rank)
+        # vLLM 0.26's AOT-compiled model does not load back on CPU ("'function' object has no attribute
+        # 'finalize_loading'", after ~35 s for a 135M model) and compiles again: a restart with a kept
+        # /cache (spec.cache) takes the regular compile cache instead. Overridable per stage.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if rec.split_socket:
             # balanced: this stage's GEMMs are split with that GPU stage's helper (patches.patch_split_gemm)
             env["HYBRID_GEMM_SOCKET"] = rec.split_socket
@@ -282,11 +290,18 @@ def resolved_summary(plan: Plan, rec: StageRecord, ident: Identity, binding: Cpu
     if rec.coproc_socket:
         out["coprocessor"] = rec.coproc_socket
     if binding:
-        out.update(cpus=binding.omp_bind, numa_node=binding.numa_node, kv_cache_gib=rec.kv_cache_gib)
+        out.update(cpus=binding_cpus(binding), numa_node=binding.numa_node, kv_cache_gib=rec.kv_cache_gib)
     else:
         out.update(gpu_memory_utilization=rec.gpu_memory_utilization,
                    cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES", "all"))
     return out
+
+
+def binding_cpus(binding: CpuBinding) -> str:
+    """The resolved record's cpus: the pinned cpulist(s), or the shared cpuset the threads float over."""
+    if binding.pinned:
+        return binding.omp_bind
+    return f"unpinned: {binding.threads_per_rank} threads over {format_cpulist(binding.all_cpus)}"
 
 
 def which(name: str) -> str | None:

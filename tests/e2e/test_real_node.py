@@ -204,7 +204,10 @@ def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, mod
         kinds = "pods,statefulsets,services,configmaps,jobs"
         left = [f"{o['kind']}/{o['metadata']['name']}" for o in kube.get(kinds, "-n", ns, "-l", selector)["items"]]
         return left + sorted(shm_entries() - shm_before)
-    kube.wait(lambda: not leftovers(), 180, f"{ns}: nothing left of smol", interval=1)
+    try:
+        kube.wait(lambda: not leftovers(), 180, f"{ns}: nothing left of smol", interval=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {leftovers()}") from None
     times["delete to nothing left"] = round(time.monotonic() - t0, 1)
     kube.kubectl("delete", "namespace", ns, "--wait=false")
     kube.kubectl("delete", "pv", f"{ns}-models", *([f"{ns}-vllm-cache"] if cache_kind == "claim" else []),

@@ -67,8 +67,29 @@ def test_cpu_stage_is_headless_with_cpu_env():
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "53"
     assert env["HYBRID_LAYER_RANGE"] == "16-31"
     assert env["VLLM_CPU_SGL_KERNEL"] == "1" and env["HYBRID_BATCHES_IN_FLIGHT"] == "1"
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"  # its CPU load fails and compiles again: the regular cache
     assert build(1, env={})[1]["HYBRID_PIPELINE_RANK"] == "1"
     assert vllm_env(*_built(1), {"VLLM_CPU_SGL_KERNEL": "0"})["VLLM_CPU_SGL_KERNEL"] == "0"  # a stage may opt out
+
+
+def test_a_cpu_stage_pins_only_cores_that_are_its_own(caplog):
+    """The static CPU manager gives a Guaranteed stage exactly its cores: pinned there. A wider cpuset (CPU
+    manager `none`, most clusters) is shared by every pod of the node: threads float, as many as requested
+    (pinning there put both stages of a two-CPU node on CPU 0)."""
+    from vllm_hybrid.cli import stage_binding
+    plan = plan_from_dict(PLAN)
+    ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=1)
+    own = stage_binding(plan, ident, {"HYBRID_CPUS": "4-19"})
+    assert own.pinned and own.omp_bind == "4-18"  # one of 16 left to the engine loop
+    with caplog.at_level("WARNING"):
+        shared = stage_binding(plan, ident, {"HYBRID_CPUS": "0-63"})
+    assert not shared.pinned and shared.threads_per_rank == 16 and shared.omp_bind == "nobind"
+    assert "cpuset 0-63 is shared" in caplog.text and "threads not pinned, 16 OpenMP threads" in caplog.text
+    env = vllm_env(*_built(1)[:3], shared, {})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "16"
+    from vllm_hybrid.launcher import binding_cpus, server_env
+    assert binding_cpus(shared) == "unpinned: 16 threads over 0-63" and binding_cpus(own) == "4-18"
+    assert "GOMP_CPU_AFFINITY" not in server_env(shared, {}, 1, "cpu")
 
 
 def test_same_settings_pinned_on_every_stage():

@@ -29,7 +29,7 @@ def render_shm_cleanup_job(body: dict[str, Any], settings: Settings, node: str, 
         "metadata": {"name": f"{meta['name'][:40]}-shm-cleanup-{suffix}", "namespace": meta["namespace"],
                      "labels": {"app.kubernetes.io/managed-by": MANAGER, names.INSTANCE_LABEL: meta["name"]}},
         "spec": {
-            "backoffLimit": 0, "ttlSecondsAfterFinished": 0, "activeDeadlineSeconds": 300,
+            "backoffLimit": 6, "ttlSecondsAfterFinished": 0, "activeDeadlineSeconds": 600,
             "template": {"spec": {
                 "nodeName": node,  # the node whose /dev/shm holds the directory, whatever its taints
                 "restartPolicy": "Never",
@@ -38,7 +38,9 @@ def render_shm_cleanup_job(body: dict[str, Any], settings: Settings, node: str, 
                 "containers": [{
                     "name": "cleanup", "image": image, "command": ["sh", "-c", script],
                     "volumeMounts": [{"name": "shm", "mountPath": HOST}],
-                    "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                    # no requests: the node may still be full with the instance's terminating pods, and
+                    # the kubelet would refuse the pod (OutOfcpu) before they are gone
+                    "resources": {"requests": {"cpu": "0", "memory": "0"},
                                   "limits": {"cpu": "100m", "memory": "32Mi"}},
                     # root only to remove what root (the kubelet) created; no capabilities needed for that
                     "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
