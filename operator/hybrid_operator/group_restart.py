@@ -6,18 +6,52 @@ from typing import Any
 from . import names
 from .status import pod_index
 
+BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s doubling to 5 min
+
+
+def termination_line(pod: dict[str, Any]) -> str | None:
+    """The stage's own last words: its container's termination message (the launcher's one-line cause, or
+    the log tail the kubelet keeps under FallbackToLogsOnError), last line, with the exit code or reason."""
+    for cs in pod.get("status", {}).get("containerStatuses", []):
+        for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated")):
+            if term and term.get("exitCode", 0) != 0:
+                lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
+                return lines[-1][-400:] if lines else f"exit code {term.get('exitCode')} ({term.get('reason', '')})"
+    return None
+
 
 def restart_reason(pod: dict[str, Any]) -> str | None:
     """Why this pod's replica must re-form, or None. Pods that never ran (admission errors) don't count."""
     if pod["metadata"].get("deletionTimestamp"):
         return None
-    status = pod.get("status", {})
+    status, name = pod.get("status", {}), pod["metadata"]["name"]
+    why = termination_line(pod)
     for cs in status.get("containerStatuses", []):
         if cs.get("restartCount", 0) > 0:
-            return f"container {cs.get('name')} of pod {pod['metadata']['name']} restarted"
+            return f"container {cs.get('name')} of pod {name} restarted" + (f": {why}" if why else "")
     if status.get("phase") == "Failed" and status.get("containerStatuses"):
-        return f"pod {pod['metadata']['name']} failed"
+        return f"pod {name} failed" + (f": {why}" if why else "")
     return None
+
+
+def backoff_s(restarts: int) -> float:
+    """Wait after a replica's n-th failure-driven group restart before the next one."""
+    return min(BACKOFF_S * 2 ** max(restarts - 1, 0), BACKOFF_MAX_S)
+
+
+def failure_of(failures: list[dict[str, Any]], replica: int) -> dict[str, Any] | None:
+    return next((f for f in failures if f.get("replica") == replica), None)
+
+
+def record_failure(failures: list[dict[str, Any]], replica: int, pod: str, message: str, now: str,
+                   generation: int | None) -> list[dict[str, Any]]:
+    """status.failures after a failure-driven group restart of `replica` (cleared once it is ready);
+    a changed spec (generation) starts the count again."""
+    last = failure_of(failures, replica)
+    count = last["restarts"] if last and last.get("generation") == generation else 0
+    entry = {"replica": replica, "restarts": count + 1, "pod": pod, "message": message[:1000],
+             "lastRestart": now, "generation": generation}
+    return sorted([f for f in failures if f.get("replica") != replica] + [entry], key=lambda f: f["replica"])
 
 
 def failed_at(pod: dict[str, Any]) -> str | None:

@@ -14,7 +14,7 @@ import kopf
 
 from . import kube, metrics
 from .kube import KubeApi
-from .reconcile import clean_shared_memory, handle_pod_event, reconcile
+from .reconcile import clean_shared_memory, handle_pod_event, reconcile, refresh_on_pod_loss
 from .settings import GROUP, MANAGER, PLURAL, VERSION, Settings
 
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -120,9 +120,11 @@ async def forget_instance(event: kopf.RawEvent, memo: kopf.Memo, logger: Any, **
 
 
 @kopf.on.event("v1", "pods", labels={"app.kubernetes.io/managed-by": MANAGER})
-async def pod_changed(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+async def pod_changed(event: kopf.RawEvent, memo: kopf.Memo, instances: kopf.Index | None = None, **_: Any) -> None:
+    pod = plain(event["object"])
     try:
-        await handle_pod_event(memo.api, event.get("type"), plain(event["object"]))
+        await handle_pod_event(memo.api, event.get("type"), pod)
+        await refresh_on_pod_loss(memo.api, event.get("type"), pod, instances or {}, memo.config)
     except Exception:
         metrics.ERRORS.labels(handler="group-restart").inc()
         raise

@@ -14,7 +14,7 @@ from .render import render_children
 from .render.cleanup import render_shm_cleanup_job
 from .render.pod import shm_host_dir
 from .settings import API_VERSION, Settings
-from .status import compute_status, short_of_pods
+from .status import compute_status, pod_ready, short_of_pods
 from .strategy import running_stages
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], settings: Settings) -> d
             summary = ", ".join(f"{k} {v}" for k, v in sorted(changed.items()))
             await record_event(api, body, "Normal", "Applied", summary)
         status = await refresh_status(api, body, settings)
+        await restart_failed_replicas(api, body)
     except Exception:
         metrics.RECONCILES.labels(result="error").inc()
         raise
@@ -95,8 +96,15 @@ async def reconcile(api: KubeApi, body: dict[str, Any], settings: Settings) -> d
     return {"children": results, "phase": status["phase"]}
 
 
+def seconds_since(stamp: str) -> float:
+    then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    return (datetime.datetime.now(datetime.UTC) - then).total_seconds()
+
+
 async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, Any]) -> list[str]:
-    """Group restart: delete every pod of the failed pod's pipeline replica. Returns deleted names."""
+    """Group restart: delete every pod of the failed pod's pipeline replica. Returns deleted names.
+    A replica that keeps failing is restarted after a growing wait (group_restart.backoff_s); each
+    failure-driven restart is kept in status.failures with the stage's own last error line."""
     meta = pod["metadata"]
     instance = (meta.get("labels") or {}).get(names.INSTANCE_LABEL)
     if not instance:
@@ -113,6 +121,17 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         return []  # a stage the strategy no longer runs: its pods go away with its StatefulSet
     pods = await api.list(path_for("v1", "Pod", ns), names.instance_selector(instance))
     doomed, reason = group_restart.victims(event_type, pod, pods, spec["replicas"], len(running))
+    failures, index = (body.get("status") or {}).get("failures", []), group_restart.pod_index(pod)
+    last = group_restart.failure_of(failures, index) if event_type != "DELETED" else None
+    if last and last.get("generation") != body["metadata"].get("generation"):
+        last = None  # the spec changed since: a fix gets its chance at once
+    if doomed and last and seconds_since(last["lastRestart"]) < group_restart.backoff_s(last["restarts"]):
+        # backing off: the periodic resync restarts it once the wait is over; status has the latest cause
+        if (why := group_restart.termination_line(pod)) and why != last.get("message"):
+            failures = [dict(f, message=why[:1000]) if f is last else f for f in failures]
+            await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"),
+                            {"status": {"failures": failures}})
+        return []
     deleted = []
     for name in doomed:  # marked first, so their own DELETED events start no second group restart
         try:
@@ -125,10 +144,39 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
             deleted.append(name)
     if deleted:
         metrics.GROUP_RESTARTS.inc()
-        index = (meta.get("labels") or {}).get(names.POD_INDEX_LABEL, "?")
         await record_event(api, body, "Warning", "GroupRestart",
                            f"replica {index}: {reason}; deleted {', '.join(deleted)} so the pipeline re-forms")
+        if event_type != "DELETED":
+            why = group_restart.termination_line(pod) or reason
+            failures = group_restart.record_failure(failures, index, meta["name"], why, utcnow(),
+                                                    body["metadata"].get("generation"))
+            await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"),
+                            {"status": {"failures": failures}})
     return deleted
+
+
+async def refresh_on_pod_loss(api: KubeApi, event_type: str | None, pod: dict[str, Any], instances: Any,
+                              settings: Settings) -> bool:
+    """A pod of an instance that says Ready went away or stopped being ready: status says so now, not at the
+    next resync (a `kubectl wait --for=condition=Ready` right after a pod's deletion returned at once)."""
+    meta = pod["metadata"]
+    if event_type != "DELETED" and not meta.get("deletionTimestamp") and pod_ready(pod):
+        return False
+    key = (meta["namespace"], (meta.get("labels") or {}).get(names.INSTANCE_LABEL))
+    stale = [b for b in instances.get(key, []) if (b.get("status") or {}).get("phase") == "Ready"]
+    for body in stale:
+        await refresh_status(api, body, settings)
+    return bool(stale)
+
+
+async def restart_failed_replicas(api: KubeApi, body: dict[str, Any]) -> None:
+    """The resync's part of group restarts: a replica whose restart waited out its backoff."""
+    if not (body.get("status") or {}).get("failures"):
+        return
+    meta = body["metadata"]
+    for pod in await api.list(path_for("v1", "Pod", meta["namespace"]), names.instance_selector(meta["name"])):
+        if group_restart.restart_reason(pod):
+            await handle_pod_event(api, "MODIFIED", pod)
 
 
 async def clean_shared_memory(api: KubeApi, body: dict[str, Any], settings: Settings) -> list[str]:

@@ -122,11 +122,19 @@ def compute_status(body: dict[str, Any], statefulsets: list[dict[str, Any]], pod
                              "readyReplicas": st.get("readyReplicas", 0), "layers": ranges[i]})
 
     # A pipeline replica is ready only when pod i of every stage is ready.
-    ready = sum(1 for i in range(wanted) if all(i in r for r in ready_by_stage)) if stages else 0
+    ready_replicas = {i for i in range(wanted) if all(i in r for r in ready_by_stage)} if stages else set()
+    ready = len(ready_replicas)
+    # failure-driven group restarts (reconcile.handle_pod_event): forgotten once the replica serves again
+    failures = [f for f in body.get("status", {}).get("failures", [])
+                if f.get("replica") not in ready_replicas and f.get("replica", 0) < wanted]
     current = min((s["replicas"] for s in stage_status), default=0)
     # Refused pod creations first: nothing else can progress until they are fixed.
     problems = creation_failures(sorted(statefulsets, key=lambda s: s["metadata"]["name"]), events or []) + [
         p for p in (pod_problem(pod) for pod in sorted(pods, key=lambda p: p["metadata"]["name"])) if p]
+    # a stage that failed again after its group restart: what it said, before the kubelet's own view
+    problems[:0] = [("StageFailing", f"replica {f['replica']}: pod {f['pod']} failed {f['restarts']} times, "
+                                     f"restarting with backoff; last error: {f['message']}")
+                    for f in failures if f.get("restarts", 0) >= 2]
     rolling = any(_rolling_out(by_name.get(names.statefulset(name, s["name"])), wanted) for s in stages)
 
     previous = {c["type"]: c for c in body.get("status", {}).get("conditions", [])}
@@ -166,6 +174,7 @@ def compute_status(body: dict[str, Any], statefulsets: list[dict[str, Any]], pod
         "endpoint": f"http://{names.client_service(name)}.{ns}.svc:{port}/v1",
         "stagesSummary": stages_summary(spec),
         "stages": stage_status,
+        "failures": failures,
         "conditions": [
             _condition("Ready", *ready_cond, generation, previous, now),
             _condition("Progressing", *progressing, generation, previous, now),

@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sys.exit(args.fn(args))
     except PlanError as e:
-        print(f"vllm-hybrid: error: {e}", file=sys.stderr)
+        from .supervise import termination_message
+        print(f"vllm-hybrid: error: {e}", file=sys.stderr, flush=True)
+        termination_message(f"vllm-hybrid: {e}")
         sys.exit(2)
 
 

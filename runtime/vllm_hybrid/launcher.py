@@ -253,10 +253,7 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         })
         if not binding.pinned:  # "nobind": vLLM leaves the threads alone; size the pool to the request
             env["OMP_NUM_THREADS"] = str(binding.threads_per_rank)
-        # vLLM 0.26's AOT-compiled model does not load back on CPU ("'function' object has no attribute
-        # 'finalize_loading'", after ~35 s for a 135M model) and compiles again: a restart with a kept
-        # /cache (spec.cache) takes the regular compile cache instead. Overridable per stage.
-        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
         if rec.split_socket:
             # balanced: this stage's GEMMs are split with that GPU stage's helper (patches.patch_split_gemm)
             env["HYBRID_GEMM_SOCKET"] = rec.split_socket

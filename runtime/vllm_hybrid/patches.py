@@ -530,6 +530,15 @@ def die_with_parent() -> None:
     APPLIED.append("die with parent")
 
 
+def patch_no_cpu_aot_load(decorators) -> None:
+    # vllm.compilation.decorators._try_load_aot_compiled_fn: on CPU, 0.26's AOT artifact does not load back
+    # ("'function' object has no attribute 'finalize_loading'") after ~35 s of deserializing (SmolLM2 on 2
+    # cores), and vLLM compiles again anyway. Compiling straight away hits the inductor cache kept beside it
+    # (spec.cache): a restarted stage's warm-up took 6 s after the failed load.
+    decorators._try_load_aot_compiled_fn = lambda model, aot_compilation_path: None
+    APPLIED.append("decorators._try_load_aot_compiled_fn(CPU: compile, do not load)")
+
+
 def journal_shm_names(journal: str) -> None:
     # Not upstream functions: multiprocessing's SharedMemory.__init__ and SemLock.__init__, what vLLM's
     # message queues and locks are made of, append each /dev/shm name they create to the stage's journal
@@ -591,6 +600,9 @@ def apply_all() -> list[str]:
         patch_loading_keeps_host_storage(loader_utils)
     if os.environ.get("HYBRID_EXPECT_OFFLOADER"):
         patch_check_offloader(gpu_worker)
+    if current_platform.is_cpu():
+        from vllm.compilation import decorators
+        patch_no_cpu_aot_load(decorators)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     if not current_platform.is_cpu() and os.environ.get("HYBRID_COPROC_SOCKET"):

@@ -7,14 +7,17 @@ exits non-zero, so Kubernetes (or the operator's group restart) re-forms the who
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
 import os
+import re
 import selectors
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -286,6 +289,56 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+TERMINATION_LOG = "/dev/termination-log"  # the kubelet's default terminationMessagePath
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Exit)\b[:(]|\berror\b:|Traceback|Killed|out of memory", re.I)
+
+
+class OutputTail:
+    """Copies the vLLM process group's output to ours, keeping its last lines: where a failure says why."""
+
+    def __init__(self, stream, keep: int = 200):
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self._thread = threading.Thread(target=self._copy, args=(stream,), name="hybrid-output", daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream) -> None:
+        out = sys.stdout.buffer
+        for raw in iter(stream.readline, b""):
+            out.write(raw)
+            out.flush()
+            self.lines.append(raw.decode(errors="replace").rstrip())
+
+    def error_line(self, wait: float = 2.0) -> str:
+        """The last line that names an error (an exception's message, not its traceback), else the last line."""
+        self._thread.join(wait)  # the rest of a dying process group's output
+        lines = [ln.strip() for ln in self.lines if ln.strip()]
+        hits = [ln for ln in lines if ERROR_LINE.search(ln) and not ln.startswith(("Traceback", "File "))]
+        return (hits or lines or [""])[-1][-400:]
+
+
+def oom_killed() -> int:
+    """OOM kills in this container's memory cgroup so far (cgroup v2 memory.events, v1 memory.oom_control)."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        with contextlib.suppress(OSError, ValueError):
+            for line in open(path):
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    return 0
+
+
+def termination_message(text: str, path: str | None = None) -> None:
+    """One line for `kubectl describe` and the operator's status; only where the kubelet provides the file."""
+    path = path or TERMINATION_LOG
+    if os.path.exists(path):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(text[:1000] + "\n")
+
+
+def _stopping(why: str) -> None:
+    log.error("%s", why)
+    termination_message(why)
+
+
 def _wait_for(path: str, side: subprocess.Popen, stopping: threading.Event) -> bool:
     """Until `path` exists: False if the process exits or the stage is told to stop first."""
     while not os.path.exists(path):
@@ -313,10 +366,13 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
         stall.create()
     side = sidecar and subprocess.Popen(sidecar, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     if side and sidecar_ready and not _wait_for(sidecar_ready, side, stopping):
-        log.error("%s exited with code %s before it was ready", sidecar[2], side.poll())
+        _stopping(f"{sidecar[2]} exited with code {side.poll()} before it was ready")
         terminate_group(side, grace=5)
         return EXIT_SIDECAR_LOST
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    ooms = oom_killed()
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail = OutputTail(proc.stdout)
     if heartbeat:
         heartbeat.start()
     next_scan = 0.0
@@ -327,23 +383,29 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
                 janitor.record(process_tree(proc.pid))
             code = proc.poll()
             if code is not None:
-                log.log(logging.ERROR if code else logging.INFO, "vLLM exited with code %s", code)
                 terminate_group(proc, grace=5)  # workers it left behind
+                if code == 0:
+                    log.info("vLLM exited with code 0")
+                elif oom_killed() > ooms:
+                    _stopping(f"vLLM exited with code {code}: a process was killed by the kernel's OOM "
+                                        "killer (the pod's memory limit is too small for this stage)")
+                else:
+                    _stopping(f"vLLM exited with code {code}: {tail.error_line()}")
                 return code
             if stopping.is_set():
                 log.info("termination requested: stopping vLLM")
                 terminate_group(proc)
                 return 0
             if heartbeat and heartbeat.lost:
-                log.error("peer lost (%s): stopping this stage so the pipeline restarts", heartbeat.lost)
+                _stopping(f"peer lost ({heartbeat.lost}): stopping this stage so the pipeline restarts")
                 terminate_group(proc, grace=5)
                 return EXIT_PEER_LOST
             if stall and (why := stall.check()):
-                log.error("pipeline stalled: %s; stopping this stage so the pipeline restarts", why)
+                _stopping(f"pipeline stalled: {why}; stopping this stage so the pipeline restarts")
                 terminate_group(proc, grace=5)  # a stopped (hung) worker ignores SIGTERM: SIGKILL follows
                 return EXIT_STALLED
             if side and side.poll() is not None:
-                log.error("%s exited with code %s: stopping this stage", sidecar[2], side.returncode)
+                _stopping(f"{sidecar[2]} exited with code {side.returncode}: stopping this stage")
                 terminate_group(proc, grace=5)
                 return EXIT_SIDECAR_LOST
             stopping.wait(0.2)

@@ -69,6 +69,14 @@ class RealNode:
         self.times["node up"] = time.monotonic() - t0 - self.times["control plane"]
         return self
 
+    def restart(self, cpu_manager: str) -> float:
+        """The same node again under another kubelet CPU manager policy (its pods go and come back)."""
+        t0 = time.monotonic()
+        run(["bash", str(NODE_SCRIPTS / "node-down.sh")], self.env)
+        self.env["RN_CPU_MANAGER"] = cpu_manager
+        run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
+        return time.monotonic() - t0
+
     def down(self) -> None:
         subprocess.run(["bash", str(NODE_SCRIPTS / "node-down.sh")], env=self.env, capture_output=True, timeout=300)
         self.cluster.down()

@@ -214,6 +214,82 @@ def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, mod
                  "--wait=false")
 
 
+def condition(kube, ns: str, kind: str) -> dict:
+    conditions = (kube.get("hi", "smol", "-n", ns).get("status") or {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def test_a_stage_that_cannot_start_says_why_and_a_fixed_spec_recovers(node, operator, model):
+    """Each cause shows in Degraded (and `kubectl get hi`'s Phase) soon after the stage's second failed start,
+    while group restarts back off; fixing the spec serves again without deleting the instance."""
+    from vllm_hybrid.tinymodel import make_tiny_llama
+    kube, ns, times = node.cluster, "e2e-failures", {}
+    REPORT["failures"] = times
+    bad = node.work / "bad-models"
+    make_tiny_llama(bad / "unreadable", layers=4, dtype="float32")
+    (bad / "unreadable" / "model.safetensors").chmod(0o600)  # root's, as a volume prepared carelessly
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": MODES["restricted"][0]}})
+    kube.apply(*volumes("models", ns, model.parent, "ReadOnlyMany"), *volumes("bad", ns, bad, "ReadOnlyMany"))
+    good = instance(ns, MODES["restricted"][1], {"hostPath": "/unused"})
+    del good["spec"]["cache"]
+    small = [dict(s, memory="3Gi") for s in good["spec"]["stages"]]
+    cases = [("plan does not fit", {"stages": small}, "does not fit"),
+             ("model path missing", {"model": dict(good["spec"]["model"], path="no-such-model")}, "no-such-model"),
+             ("weights unreadable", {"model": dict(good["spec"]["model"], path="unreadable",
+                                                   volume={"claimName": "bad"})}, "Permission denied")]
+    for case, change, needle in cases:
+        t0 = time.monotonic()
+        kube.apply({**good, "spec": {**good["spec"], **change}})
+        try:
+            kube.wait(lambda: condition(kube, ns, "Degraded").get("status") == "True"
+                      and needle in condition(kube, ns, "Degraded").get("message", ""), 240,
+                      f"Degraded naming {needle!r}", interval=1)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {condition(kube, ns, 'Degraded')}") from None
+        degraded = condition(kube, ns, "Degraded")
+        shown = kube.kubectl("get", "hi", "smol", "-n", ns).stdout
+        assert "Degraded" in shown, shown
+        times[case] = {"apply to Degraded s": round(time.monotonic() - t0, 1), "reason": degraded["reason"],
+                       "message": degraded["message"]}
+    t0 = time.monotonic()
+    kube.apply(good)
+    kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after the fix", interval=2)
+    assert "Paris" in ask(kube, ns, 60)
+    assert condition(kube, ns, "Degraded")["status"] == "False"
+    times["fixed spec to answer s"] = round(time.monotonic() - t0, 1)
+    restarts = [e["message"] for e in kube.get("events", "-n", ns)["items"] if e["reason"] == "GroupRestart"]
+    times["group restarts"] = len(restarts)
+    kube.kubectl("delete", "namespace", ns, "--wait=false")
+    kube.kubectl("delete", "pv", f"{ns}-models", f"{ns}-bad", "--wait=false")
+
+
+def test_a_node_set_up_for_cpu_stages_gives_a_guaranteed_stage_its_own_core(node, operator, model):
+    """The kubelet's static CPU manager (reservedSystemCPUs 0): a Guaranteed 1-CPU stage gets core 1 to itself
+    and the launcher pins exactly it; on the default policy (the tests above) threads were left unpinned."""
+    kube, ns = node.cluster, "e2e-static"
+    assert all(c.startswith("unpinned") for mode in MODES for c in REPORT[mode]["stage cpus"].values())
+    REPORT["static cpu manager"] = times = {"node restart s": round(node.restart("static"), 1)}
+    kube.kubectl("-n", "hybrid-system", "rollout", "status", "deployment/hybrid-inference-operator", "--timeout=180s")
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": MODES["restricted"][0]}})
+    one = instance(ns, MODES["restricted"][1], {"hostPath": "/unused"})
+    del one["spec"]["cache"]
+    one["spec"]["stages"] = [{"name": "head", "device": "cpu", "cpus": 1, "memory": "4Gi"}]
+    kube.apply(*volumes("models", ns, model.parent, "ReadOnlyMany"), one)
+    t0 = time.monotonic()
+    kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready", interval=2)
+    assert "Paris" in ask(kube, ns, 60)
+    times["apply to answer s"] = round(time.monotonic() - t0, 1)
+    log = kube.kubectl("logs", "-n", ns, "smol-head-0").stdout
+    record = json.loads(next(ln for ln in log.splitlines() if ln.startswith("vllm-hybrid resolved "))
+                        .removeprefix("vllm-hybrid resolved "))
+    assert record["cpus"] == "1", record  # the exclusive core, not the shared one (0)
+    assert "core ids=[1]" in log
+    times["stage cpus"] = record["cpus"]
+    kube.kubectl("delete", "namespace", ns, "--wait=false")
+    kube.kubectl("delete", "pv", f"{ns}-models", "--wait=false")
+
+
 def test_the_operator_stayed_healthy(node, operator):
-    status = node.cluster.get("pod", operator, "-n", "hybrid-system")["status"]["containerStatuses"][0]
+    (pod,) = node.cluster.get("pods", "-n", "hybrid-system", "-l", "app.kubernetes.io/instance=hybrid-inference")["items"]
+    status = pod["status"]["containerStatuses"][0]  # a new pod since the node restart; its liveness probe held
     assert status["ready"] and status["restartCount"] == 0, status

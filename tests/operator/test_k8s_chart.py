@@ -17,6 +17,7 @@ EXPECTED_RULES = {
     ("apps", "statefulsets"): {"get", "list", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch", "patch", "delete"},
     ("", "events"): {"create", "list"},
+    ("batch", "jobs"): {"create"},  # the /dev/shm cleanup of a deleted hostPath instance
 }
 NETWORK_POLICY_RULE = {("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"}}
 

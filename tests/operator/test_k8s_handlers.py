@@ -466,3 +466,72 @@ async def test_a_deleted_hostpath_instance_gets_a_cleanup_job_on_each_node_its_p
     await handlers.forget_instance(event={"type": "DELETED", "object": private}, memo=memo,
                                    logger=logging.getLogger("t"))
     assert len(live(kmock, "batch/v1/jobs")) == 2  # a private /dev/shm leaves nothing on the node
+
+
+def failed_pod(stage, index, i, message, created="2026-01-01T00:00:00Z", finished="2026-01-01T00:01:00Z"):
+    p = pod(stage, index, i, created=created, restarts=1)
+    p["status"]["containerStatuses"][0]["lastState"] = {"terminated": {
+        "exitCode": 2, "reason": "Error", "finishedAt": finished, "message": message}}
+    return p
+
+
+async def test_a_replica_that_keeps_failing_backs_off_and_says_why_in_status(kmock, api):
+    """Every failure-driven group restart is counted in status.failures with the stage's own last error line;
+    the next one waits 10 s doubling to 5 min (as CrashLoopBackOff); from the second, Degraded says why."""
+    from hybrid_operator import group_restart
+    from hybrid_operator.reconcile import refresh_status
+    assert [group_restart.backoff_s(n) for n in (1, 2, 3, 5, 6, 9)] == [10, 20, 40, 160, 300, 300]
+    body = make_body()
+    put_instance(kmock, body)
+    why = "vllm-hybrid: the model does not fit: 30 layers, capacity 0 ... add memory or stages"
+    pods = [failed_pod("cpu", 0, 1, f"INFO starting\n{why}\n"), pod("gpu", 0, 0)]
+    for p in pods:
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    assert await handle_pod_event(api, "MODIFIED", pods[0]) == ["llama-cpu-0", "llama-gpu-0"]
+    (failure,) = live(kmock, HI)["llama"]["status"]["failures"]
+    assert failure["restarts"] == 1 and failure["message"] == why and failure["pod"] == "llama-cpu-0"
+    event = next(e for e in live(kmock, "v1/events").values() if e["reason"] == "GroupRestart")
+    assert why in event["message"]
+
+    # the replacements fail again at once: the second group restart waits out the first backoff
+    pods = [failed_pod("cpu", 0, 1, why, created="2026-01-01T00:02:00Z", finished="2026-01-01T00:03:00Z"),
+            pod("gpu", 0, 0, created="2026-01-01T00:02:00Z")]
+    for p in pods:
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    assert await handle_pod_event(api, "MODIFIED", pods[0]) == []  # within 10 s of the first
+    kmock.objects[HI, "ml", "llama"].patch({"status": {"failures": [dict(failure, lastRestart="2026-01-01T00:00:00Z")]}})
+    assert await handle_pod_event(api, "MODIFIED", pods[0]) == ["llama-cpu-0", "llama-gpu-0"]
+    (failure,) = live(kmock, HI)["llama"]["status"]["failures"]
+    assert failure["restarts"] == 2
+    status = await refresh_status(api, live(kmock, HI)["llama"], SETTINGS)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert status["phase"] == "Degraded" and degraded["reason"] == "StageFailing"
+    assert degraded["message"].startswith("replica 0: pod llama-cpu-0 failed 2 times") and why in degraded["message"]
+
+    # once the replica serves again, the record goes
+    for p in (ready_pod("gpu", 0, 0), ready_pod("cpu", 0, 1)):
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    status = await refresh_status(api, live(kmock, HI)["llama"], SETTINGS)
+    assert status["failures"] == [] and live(kmock, HI)["llama"]["status"]["failures"] == []
+
+
+async def test_a_lost_pod_of_a_ready_instance_shows_in_status_at_once(kmock, api):
+    """Not at the next resync: the pod event itself refreshes the status of an instance that says Ready."""
+    from hybrid_operator.reconcile import refresh_on_pod_loss, refresh_status
+    body = make_body()
+    put_instance(kmock, body)
+    await reconcile(api, body, SETTINGS)
+    for name in ("llama-gpu", "llama-cpu"):
+        kmock.objects["apps/v1/statefulsets", "ml", name].patch(
+            {"status": {"replicas": 1, "readyReplicas": 1, "observedGeneration": 1,
+                        "currentRevision": "r1", "updateRevision": "r1"}})
+    pods = [ready_pod("gpu", 0, 0), ready_pod("cpu", 0, 1)]
+    for p in pods:
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    assert (await refresh_status(api, live(kmock, HI)["llama"], SETTINGS))["phase"] == "Ready"
+    index = {("ml", "llama"): [live(kmock, HI)["llama"]]}
+    assert not await refresh_on_pod_loss(api, "MODIFIED", pods[0], index, SETTINGS)  # still ready: no calls
+    del kmock.objects["v1/pods", "ml", "llama-gpu-0"]
+    assert await refresh_on_pod_loss(api, "DELETED", pods[0], index, SETTINGS)
+    ready = next(c for c in live(kmock, HI)["llama"]["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"

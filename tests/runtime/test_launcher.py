@@ -67,7 +67,6 @@ def test_cpu_stage_is_headless_with_cpu_env():
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "53"
     assert env["HYBRID_LAYER_RANGE"] == "16-31"
     assert env["VLLM_CPU_SGL_KERNEL"] == "1" and env["HYBRID_BATCHES_IN_FLIGHT"] == "1"
-    assert env["VLLM_USE_AOT_COMPILE"] == "0"  # its CPU load fails and compiles again: the regular cache
     assert build(1, env={})[1]["HYBRID_PIPELINE_RANK"] == "1"
     assert vllm_env(*_built(1), {"VLLM_CPU_SGL_KERNEL": "0"})["VLLM_CPU_SGL_KERNEL"] == "0"  # a stage may opt out
 
@@ -260,3 +259,21 @@ def test_coprocessor_needs_one_cpu_stage_per_gpu_stage():
     # auto leaves it out of its choices there, and where the gpu stage is tensor-parallel
     _, _, est = resolve_split(plan_from_dict({**three, "strategy": "auto"}), model_shape(LLAMA_8B))
     assert "coprocessor" not in est and "balanced" in est
+
+
+def test_a_failing_stage_says_why_in_its_termination_message(tmp_path, monkeypatch, capfd):
+    """The kubelet's terminationMessagePath gets the stage's own last error line (the operator shows it in
+    status); vLLM's output still reaches the stage's log whole."""
+    from vllm_hybrid import supervise
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setattr(supervise, "TERMINATION_LOG", str(log))
+    crash = ("print('INFO loading weights', flush=True)\n"
+             "raise FileNotFoundError('No such file or directory: /models/m/model.safetensors')")
+    assert supervise.run_supervised([sys.executable, "-c", crash], dict(os.environ), None) == 1
+    assert log.read_text() == ("vLLM exited with code 1: FileNotFoundError: No such file or directory: "
+                               "/models/m/model.safetensors\n")
+    out = capfd.readouterr().out
+    assert "INFO loading weights" in out and "Traceback (most recent call last)" in out
+    supervise.termination_message("x", str(tmp_path / "absent"))  # outside a pod: no file is made
+    assert not (tmp_path / "absent").exists()

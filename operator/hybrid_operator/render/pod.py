@@ -248,6 +248,8 @@ def render_pod_template(body: dict[str, Any], index: int, settings: Settings, pl
         "resources": _resources(spec, index),
         "volumeMounts": _mounts(spec),
         "securityContext": _container_security(),
+        # the launcher writes a failure's one-line cause; a crash before it could is read from the log tail
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         **_probes(index),
     }
     pod_spec: dict[str, Any] = {
