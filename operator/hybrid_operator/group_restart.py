@@ -9,15 +9,35 @@ from .status import pod_index
 BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s doubling to 5 min
 
 
-def termination_line(pod: dict[str, Any]) -> str | None:
-    """The stage's own last words: its container's termination message (the launcher's one-line cause, or
-    the log tail the kubelet keeps under FallbackToLogsOnError), last line, with the exit code or reason."""
+EXIT_PEER_LOST = 75  # the runtime's exit code when another stage of its replica went away (supervise.py)
+
+
+def _last_failure(pod: dict[str, Any]) -> tuple[int, str] | None:
     for cs in pod.get("status", {}).get("containerStatuses", []):
         for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated")):
             if term and term.get("exitCode", 0) != 0:
                 lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
-                return lines[-1][-400:] if lines else f"exit code {term.get('exitCode')} ({term.get('reason', '')})"
+                code = term.get("exitCode")
+                return code, lines[-1][-400:] if lines else f"exit code {code} ({term.get('reason', '')})"
     return None
+
+
+def termination_line(pod: dict[str, Any]) -> str | None:
+    """The stage's own last words: its container's termination message (the launcher's one-line cause, or
+    the log tail the kubelet keeps under FallbackToLogsOnError), last line, with the exit code or reason."""
+    failure = _last_failure(pod)
+    return failure[1] if failure else None
+
+
+def replica_cause(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> str | None:
+    """Why replica i failed: a stage's own error rather than another stage's "peer lost" that followed it."""
+    def instance(pod):
+        return (pod["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
+    mine = [trigger] + [p for p in pods if instance(p) == instance(trigger) and pod_index(p) == pod_index(trigger)
+                        and p["metadata"]["name"] != trigger["metadata"]["name"]]
+    failures = [f for f in map(_last_failure, mine) if f]
+    own = [line for code, line in failures if code != EXIT_PEER_LOST]
+    return (own or [line for _, line in failures] or [None])[0]
 
 
 def restart_reason(pod: dict[str, Any]) -> str | None:

@@ -127,7 +127,7 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         last = None  # the spec changed since: a fix gets its chance at once
     if doomed and last and seconds_since(last["lastRestart"]) < group_restart.backoff_s(last["restarts"]):
         # backing off: the periodic resync restarts it once the wait is over; status has the latest cause
-        if (why := group_restart.termination_line(pod)) and why != last.get("message"):
+        if (why := group_restart.replica_cause(pod, pods)) and why != last.get("message"):
             failures = [dict(f, message=why[:1000]) if f is last else f for f in failures]
             await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"),
                             {"status": {"failures": failures}})
@@ -147,7 +147,7 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         await record_event(api, body, "Warning", "GroupRestart",
                            f"replica {index}: {reason}; deleted {', '.join(deleted)} so the pipeline re-forms")
         if event_type != "DELETED":
-            why = group_restart.termination_line(pod) or reason
+            why = group_restart.replica_cause(pod, pods) or reason
             failures = group_restart.record_failure(failures, index, meta["name"], why, utcnow(),
                                                     body["metadata"].get("generation"))
             await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"),

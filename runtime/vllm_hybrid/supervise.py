@@ -291,6 +291,10 @@ def _die_with_parent() -> None:
 
 TERMINATION_LOG = "/dev/termination-log"  # the kubelet's default terminationMessagePath
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Exit)\b[:(]|\berror\b:|Traceback|Killed|out of memory", re.I)
+# a Python exception as printed at the end of a traceback, maybe after vLLM's "(Worker pid=N) " prefix
+EXCEPTION_LINE = re.compile(r"(^|\) )[A-Za-z_][\w.]*(Error|Exception): ")
+# vLLM's engine re-raising a worker's failure: the worker's own exception, printed before, says more
+WRAPPER = re.compile(r"root cause|see (the )?stack trace|initialization failed|failed to start", re.I)
 
 
 class OutputTail:
@@ -309,11 +313,13 @@ class OutputTail:
             self.lines.append(raw.decode(errors="replace").rstrip())
 
     def error_line(self, wait: float = 2.0) -> str:
-        """The last line that names an error (an exception's message, not its traceback), else the last line."""
+        """Why the group failed: the first exception raised (a worker's, before the engine's "see the root cause"
+        wrappers), else the last line that names an error, else the last line."""
         self._thread.join(wait)  # the rest of a dying process group's output
         lines = [ln.strip() for ln in self.lines if ln.strip()]
+        raised = [ln for ln in lines if EXCEPTION_LINE.search(ln) and not WRAPPER.search(ln)]
         hits = [ln for ln in lines if ERROR_LINE.search(ln) and not ln.startswith(("Traceback", "File "))]
-        return (hits or lines or [""])[-1][-400:]
+        return (raised[:1] or hits[-1:] or lines[-1:] or [""])[0][-400:]
 
 
 def oom_killed() -> int:

@@ -535,3 +535,13 @@ async def test_a_lost_pod_of_a_ready_instance_shows_in_status_at_once(kmock, api
     assert await refresh_on_pod_loss(api, "DELETED", pods[0], index, SETTINGS)
     ready = next(c for c in live(kmock, HI)["llama"]["status"]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False"
+
+
+def test_the_cause_of_a_replica_failure_is_a_stages_own_error_not_the_peer_lost_that_followed():
+    from hybrid_operator import group_restart
+    own = failed_pod("gpu", 0, 0, "vllm-hybrid: stages[0] (gpu): does not fit: 16 layers need 9.1 GiB")
+    peer = failed_pod("cpu", 0, 1, "peer lost (stage 0 closed its heartbeat): stopping this stage")
+    peer["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = group_restart.EXIT_PEER_LOST
+    other_replica = failed_pod("gpu", 1, 0, "vLLM exited with code 1: RuntimeError: boom")
+    assert group_restart.replica_cause(peer, [own, peer, other_replica]).endswith("does not fit: 16 layers need 9.1 GiB")
+    assert group_restart.replica_cause(peer, [peer]).startswith("peer lost")  # nothing better known

@@ -277,3 +277,20 @@ def test_a_failing_stage_says_why_in_its_termination_message(tmp_path, monkeypat
     assert "INFO loading weights" in out and "Traceback (most recent call last)" in out
     supervise.termination_message("x", str(tmp_path / "absent"))  # outside a pod: no file is made
     assert not (tmp_path / "absent").exists()
+
+
+def test_the_error_line_is_the_workers_own_exception_not_the_engines_wrapper():
+    import io
+
+    from vllm_hybrid.supervise import OutputTail
+    out = io.BytesIO("\n".join([
+        "(APIServer pid=7) WARNING This can cause fd limit errors like `OSError: [Errno 24] Too many open files`",
+        "(Worker pid=15) Traceback (most recent call last):",
+        '(Worker pid=15)   File "/usr/local/lib/python3.11/site-packages/vllm/model_executor/model_loader.py"',
+        "(Worker pid=15) PermissionError: [Errno 13] Permission denied: '/models/unreadable/model.safetensors'",
+        "(EngineCore pid=9) Exception: WorkerProc initialization failed due to an exception in a background "
+        "process. See stack trace for root cause.",
+        "(APIServer pid=7) RuntimeError: Engine core initialization failed. See root cause above."]).encode())
+    tail = OutputTail(out)
+    assert tail.error_line().endswith("PermissionError: [Errno 13] Permission denied: "
+                                      "'/models/unreadable/model.safetensors'")
