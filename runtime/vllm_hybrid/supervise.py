@@ -291,8 +291,9 @@ def _die_with_parent() -> None:
 
 TERMINATION_LOG = "/dev/termination-log"  # the kubelet's default terminationMessagePath
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Exit)\b[:(]|\berror\b:|Traceback|Killed|out of memory", re.I)
-# a Python exception as printed at the end of a traceback, maybe after vLLM's "(Worker pid=N) " prefix
-EXCEPTION_LINE = re.compile(r"(^|\) )[A-Za-z_][\w.]*(Error|Exception): ")
+# a Python exception as printed at the end of a traceback, maybe after vLLM's "(Worker pid=N) " prefix or
+# its logger's "ERROR <time> [file:line] "
+EXCEPTION_LINE = re.compile(r"(^|\) |\] )[A-Za-z_][\w.]*(Error|Exception): ")
 # vLLM's engine re-raising a worker's failure: the worker's own exception, printed before, says more
 WRAPPER = re.compile(r"root cause|see (the )?stack trace|initialization failed|failed to start", re.I)
 

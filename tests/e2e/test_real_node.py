@@ -180,6 +180,8 @@ def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, mod
     before = {n: p["metadata"]["uid"] for n, p in pods(kube, ns).items()}
     t0 = time.monotonic()
     kube.kubectl("delete", "pod", "smol-tail-0", "-n", ns, "--wait=false")
+    # the resource stops saying Ready as soon as a pod goes (the pod event refreshes the status)
+    times["pod deleted to Ready=False"] = round(kube.wait(lambda: not ready(kube, ns), 5, "Ready=False", 0.1), 1)
     kube.wait(lambda: all(p["metadata"]["uid"] != before.get(n) for n, p in pods(kube, ns).items())
               and len(pods(kube, ns)) == 2, 120, "both pods of the group replaced", interval=1)
     kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after the group restart", interval=2)

@@ -287,10 +287,12 @@ def test_the_error_line_is_the_workers_own_exception_not_the_engines_wrapper():
         "(APIServer pid=7) WARNING This can cause fd limit errors like `OSError: [Errno 24] Too many open files`",
         "(Worker pid=15) Traceback (most recent call last):",
         '(Worker pid=15)   File "/usr/local/lib/python3.11/site-packages/vllm/model_executor/model_loader.py"',
+        "(Worker_PP1 pid=20) ERROR 11-25 11:25:05 [multiproc_executor.py:901] FileNotFoundError: No such file "
+        "or directory: /models/unreadable/model.safetensors",
         "(Worker pid=15) PermissionError: [Errno 13] Permission denied: '/models/unreadable/model.safetensors'",
         "(EngineCore pid=9) Exception: WorkerProc initialization failed due to an exception in a background "
         "process. See stack trace for root cause.",
         "(APIServer pid=7) RuntimeError: Engine core initialization failed. See root cause above."]).encode())
     tail = OutputTail(out)
-    assert tail.error_line().endswith("PermissionError: [Errno 13] Permission denied: "
-                                      "'/models/unreadable/model.safetensors'")
+    assert tail.error_line().endswith("FileNotFoundError: No such file or directory: "
+                                      "/models/unreadable/model.safetensors")
