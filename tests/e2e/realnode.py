@@ -75,6 +75,9 @@ class RealNode:
         run(["bash", str(NODE_SCRIPTS / "node-down.sh")], self.env)
         self.env["RN_CPU_MANAGER"] = cpu_manager
         run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
+        # node-down.sh cordoned it (so replacements wait instead of failing): schedulable again, as after a drain
+        for node in self.cluster.get("nodes")["items"]:
+            self.cluster.kubectl("uncordon", node["metadata"]["name"])
         return time.monotonic() - t0
 
     def down(self) -> None:

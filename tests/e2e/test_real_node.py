@@ -271,7 +271,8 @@ def test_a_node_set_up_for_cpu_stages_gives_a_guaranteed_stage_its_own_core(node
     kube, ns = node.cluster, "e2e-static"
     assert all(c.startswith("unpinned") for mode in MODES if mode in REPORT for c in REPORT[mode]["stage cpus"].values())
     REPORT["static cpu manager"] = times = {"node restart s": round(node.restart("static"), 1)}
-    kube.kubectl("-n", "hybrid-system", "rollout", "status", "deployment/hybrid-inference-operator", "--timeout=180s")
+    kube.kubectl("-n", "hybrid-system", "rollout", "status", "deployment/hybrid-inference-operator", "--timeout=180s",
+                 timeout=200)
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": MODES["restricted"][0]}})
     one = instance(ns, MODES["restricted"][1], {"hostPath": "/unused"})
     del one["spec"]["cache"]
