@@ -7,8 +7,6 @@ from . import names
 from .status import pod_index
 
 BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s doubling to 5 min
-
-
 EXIT_PEER_LOST = 75  # the runtime's exit code when another stage of its replica went away (supervise.py)
 
 

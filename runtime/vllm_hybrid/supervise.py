@@ -395,7 +395,7 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
                     log.info("vLLM exited with code 0")
                 elif oom_killed() > ooms:
                     _stopping(f"vLLM exited with code {code}: a process was killed by the kernel's OOM "
-                                        "killer (the pod's memory limit is too small for this stage)")
+                              "killer (the pod's memory limit is too small for this stage)")
                 else:
                     _stopping(f"vLLM exited with code {code}: {tail.error_line()}")
                 return code
