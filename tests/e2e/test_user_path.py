@@ -129,9 +129,10 @@ def test_examples_reach_ready(kube, operator):
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
         "Ready": "True", "Progressing": "False", "Degraded": "False"}
     table = kube.kubectl("get", "hi", "-A").stdout.splitlines()
-    assert table[0].split() == ["NAMESPACE", "NAME", "READY", "REPLICAS", "STAGES", "STRATEGY", "ENDPOINT", "AGE"]
-    rows = {line.split()[1]: line.split()[2:7] for line in table[1:]}
-    assert rows["llama"] == ["1/1", "1", "gpu:16", "cpu:16", "pipeline"]
+    assert table[0].split() == ["NAMESPACE", "NAME", "READY", "REPLICAS", "STAGES", "STRATEGY", "PHASE", "ENDPOINT",
+                                "AGE"]
+    rows = {line.split()[1]: line.split()[2:8] for line in table[1:]}
+    assert rows["llama"] == ["1/1", "1", "gpu:16", "cpu:16", "pipeline", "Ready"]
     assert rows["qwen"][:2] == ["1/1", "1"]
 
     pods = {p["metadata"]["name"]: p for p in kube.get("pods", "-n", "llm")["items"]}
