@@ -320,7 +320,15 @@ class OutputTail:
         lines = [ln.strip() for ln in self.lines if ln.strip()]
         raised = [ln for ln in lines if EXCEPTION_LINE.search(ln) and not WRAPPER.search(ln)]
         hits = [ln for ln in lines if ERROR_LINE.search(ln) and not ln.startswith(("Traceback", "File "))]
-        return (raised[:1] or hits[-1:] or lines[-1:] or [""])[0][-400:]
+        return unreadable_note((raised[:1] or hits[-1:] or lines[-1:] or [""])[0][-400:])
+
+
+def unreadable_note(line: str, readable=lambda path: os.access(path, os.R_OK)) -> str:
+    """vLLM reports a weight file this uid cannot read as missing (FileNotFoundError): say what it is."""
+    for path in re.findall(r"(/[^\s'\"`,:]+)", line):
+        if os.path.exists(path) and not readable(path):
+            return f"{line} ({path} exists but uid {os.getuid()} cannot read it)"
+    return line
 
 
 def oom_killed() -> int:

@@ -296,3 +296,19 @@ def test_the_error_line_is_the_workers_own_exception_not_the_engines_wrapper():
     tail = OutputTail(out)
     assert tail.error_line().endswith("FileNotFoundError: No such file or directory: "
                                       "/models/unreadable/model.safetensors")
+
+
+
+
+def test_an_unreadable_file_vllm_calls_missing_is_named_as_unreadable(tmp_path):
+    """Stages run as uid 1000; a root-only weight file is what vLLM reports as "No such file" (seen on the real
+    node). The check is os.access; here a stand-in answers for uid 1000, since the tests run as root."""
+    from vllm_hybrid.supervise import unreadable_note
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    line = f"(Worker pid=3) FileNotFoundError: No such file or directory: {weights}"
+    assert unreadable_note(line, readable=lambda p: p != str(weights)) == (
+        f"{line} ({weights} exists but uid {os.getuid()} cannot read it)")
+    assert unreadable_note(line) == line  # readable (root): nothing added
+    gone = "FileNotFoundError: No such file or directory: /models/none/model.safetensors"
+    assert unreadable_note(gone, readable=lambda p: False) == gone  # really missing: nothing added
