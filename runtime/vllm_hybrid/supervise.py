@@ -362,7 +362,7 @@ def _wait_for(path: str, side: subprocess.Popen, stopping: threading.Event) -> b
     return True
 
 
-def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | None,
+def run_supervised(argv: list[str], env: dict[str, str] | None, heartbeat: Heartbeat | None,
                    janitor: ShmJanitor | None = None, sidecar: list[str] | None = None,
                    stall: StallWatch | None = None, sidecar_ready: str | None = None) -> int:
     """Start vLLM in its own process group; return its exit code, or EXIT_PEER_LOST.
@@ -371,7 +371,7 @@ def run_supervised(argv: list[str], env: dict[str, str], heartbeat: Heartbeat | 
     cannot compute without it).
     stall: the worker's progress record; no progress with requests pending -> EXIT_STALLED."""
     stopping = threading.Event()
-    env = {**env, "HYBRID_LAUNCHER_PID": str(os.getpid())}  # vLLM's die-with-parent check reads it
+    env = {**(os.environ if env is None else env), "HYBRID_LAUNCHER_PID": str(os.getpid())}  # die-with-parent reads it
     if janitor:
         env["HYBRID_SHM_JOURNAL"] = janitor.journal
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
