@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import realnode
-from vllm_hybrid.realmodel import DEFAULT_DIR, prepare_model
+from vllm_hybrid.realmodel import DEFAULT_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +74,13 @@ def operator(node, images):
 
 @pytest.fixture(scope="module")
 def model(node):
-    """prepare-model's dir (build/ cache shared with `make demo`), exposed through a hostPath PersistentVolume."""
-    return prepare_model(ROOT / DEFAULT_DIR)
+    """`vllm-hybrid prepare-model`'s dir (build/ cache shared with `make demo`), run as a user would: in its own
+    process (in this one, transformers' GGUF reader left the allocator keeping freed memory, which a later
+    RSS-measuring test saw), exposed through a hostPath PersistentVolume."""
+    out = ROOT / DEFAULT_DIR
+    subprocess.run([str(ROOT / ".venv" / "bin" / "vllm-hybrid"), "prepare-model", "--out", str(out)], check=True,
+                   capture_output=True, timeout=600)
+    return out
 
 
 def test_images_build_and_load_into_the_node(images):
