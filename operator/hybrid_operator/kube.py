@@ -27,7 +27,8 @@ from kubernetes_asyncio import config as k8s_config
 log = logging.getLogger(__name__)
 
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets", "Pod": "pods",
-           "NetworkPolicy": "networkpolicies", "Event": "events", "HybridInference": "hybridinferences"}
+           "NetworkPolicy": "networkpolicies", "Event": "events", "HybridInference": "hybridinferences",
+           "Job": "jobs"}
 RETRYABLE = {409, 429, 500, 502, 503, 504}
 
 

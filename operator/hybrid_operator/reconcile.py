@@ -128,9 +128,7 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
     if doomed and last and seconds_since(last["lastRestart"]) < group_restart.backoff_s(last["restarts"]):
         # backing off: the periodic resync restarts it once the wait is over; status has the latest cause
         if (why := group_restart.replica_cause(pod, pods)) and why != last.get("message"):
-            failures = [dict(f, message=why[:1000]) if f is last else f for f in failures]
-            await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"),
-                            {"status": {"failures": failures}})
+            await _write_failures(api, ns, instance, [dict(f, message=why[:1000]) if f is last else f for f in failures])
         return []
     deleted = []
     for name in doomed:  # marked first, so their own DELETED events start no second group restart
@@ -148,11 +146,13 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
                            f"replica {index}: {reason}; deleted {', '.join(deleted)} so the pipeline re-forms")
         if event_type != "DELETED":
             why = group_restart.replica_cause(pod, pods) or reason
-            failures = group_restart.record_failure(failures, index, meta["name"], why, utcnow(),
-                                                    body["metadata"].get("generation"))
-            await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"),
-                            {"status": {"failures": failures}})
+            await _write_failures(api, ns, instance, group_restart.record_failure(
+                failures, index, meta["name"], why, utcnow(), body["metadata"].get("generation")))
     return deleted
+
+
+async def _write_failures(api: KubeApi, ns: str, instance: str, failures: list[dict[str, Any]]) -> None:
+    await api.patch(path_for(API_VERSION, "HybridInference", ns, instance, "status"), {"status": {"failures": failures}})
 
 
 async def refresh_on_pod_loss(api: KubeApi, event_type: str | None, pod: dict[str, Any], instances: Any,
@@ -185,12 +185,12 @@ async def clean_shared_memory(api: KubeApi, body: dict[str, Any], settings: Sett
     meta = body["metadata"]
     if with_defaults(body["spec"])["sharedMemory"]["mode"] != "hostPath":
         return []
-    pods = await api.list(f"/api/v1/namespaces/{meta['namespace']}/pods", names.instance_selector(meta["name"]))
+    pods = await api.list(path_for("v1", "Pod", meta["namespace"]), names.instance_selector(meta["name"]))
     nodes = {p["spec"]["nodeName"]: p["spec"]["containers"][0]["image"] for p in pods if p["spec"].get("nodeName")}
     for node, image in sorted(nodes.items()):
         job = render_shm_cleanup_job(body, settings, node, image)
         try:
-            await api.create(f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs", job)
+            await api.create(path_for("batch/v1", "Job", meta["namespace"]), job)
         except ApiError as exc:
             if exc.status != 409:  # 409: a cleanup of this node is already under way
                 log.warning("%s/%s: cannot clean %s on node %s: %s", meta["namespace"], meta["name"],
