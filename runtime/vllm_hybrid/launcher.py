@@ -42,10 +42,15 @@ def identity_from_env(env: dict[str, str], stage: int | None = None, replica: in
     return Identity(stage, replica, master, env.get("HYBRID_HOST_IP") or None)
 
 
-def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int) -> int:
-    """VLLM_CPU_KVCACHE_SPACE (whole GiB): the stage's budget after its weights, at least 1."""
-    sp = split.stages[stage]
-    return max(1, sp.kv_bytes // GiB)
+def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int, env: dict[str, str] | None = None) -> int:
+    """VLLM_CPU_KVCACHE_SPACE (whole GiB): the stage's budget after its weights, at least 1; a value in the
+    stage's env (spec.stages[].env) wins, as vLLM's own setting: the user owns what it costs."""
+    override = (env or {}).get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise PlanError(f"VLLM_CPU_KVCACHE_SPACE: expected whole GiB (at least 1), got {override!r}")
+        return int(override)
+    return max(1, split.stages[stage].kv_bytes // GiB)
 
 
 def gemm_socket(env: dict[str, str], replica: int, gpu_stage: int) -> str:
@@ -147,7 +152,7 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
         # one server per gpu stage for now: the offloader streams from one region
         coproc_socket=coproc_socket(env, ident.replica, servers[0]) if servers else None,
         coproc_bytes=streamed + (64 << 20) if servers else 0,  # + norms and alignment
-        kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage) if stage.is_cpu else None,
+        kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage, env) if stage.is_cpu else None,
         gpu_memory_utilization=None if stage.is_cpu else split.stages[ident.stage].gpu_memory_utilization,
         stall_timeout=timeout, compile_grace=grace, progress_file=progress_file(env, ident.replica, ident.stage))
 

@@ -71,6 +71,17 @@ def test_cpu_stage_is_headless_with_cpu_env():
     assert vllm_env(*_built(1), {"VLLM_CPU_SGL_KERNEL": "0"})["VLLM_CPU_SGL_KERNEL"] == "0"  # a stage may opt out
 
 
+def test_a_stages_own_kv_cache_size_wins_and_a_bad_one_is_refused():
+    plan = plan_from_dict(PLAN)
+    split, ident = split_layers(plan, model_shape(LLAMA_8B)), identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=1)
+    rec = resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": "80"})
+    assert rec.kv_cache_gib == 80  # more than the planned 53: the stage's memory limit is the user's to match
+    assert vllm_env(plan, rec, ident, plan_binding([0, 1], {0: [0, 1]}), {})["VLLM_CPU_KVCACHE_SPACE"] == "80"
+    for bad in ("0", "4GiB", "-1"):
+        with pytest.raises(PlanError, match="VLLM_CPU_KVCACHE_SPACE: expected whole GiB"):
+            resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": bad})
+
+
 def test_a_cpu_stage_pins_only_cores_that_are_its_own(caplog):
     """The static CPU manager gives a Guaranteed stage exactly its cores: pinned there. A wider cpuset (CPU
     manager `none`, most clusters) is shared by every pod of the node: threads float, as many as requested
