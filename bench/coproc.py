@@ -66,7 +66,7 @@ def main(path: str) -> None:
         part.copy_(block[:part.numel()])
     layout = coproc.IoLayout.for_shapes(shapes, max(ROWS))
     ioregion = hostmem.allocate("coproc-bench-io", layout.nbytes, pages="shmem")
-    # its threads one per core, as the launcher places them (launcher.server_env)
+    # its threads one per core, as the launcher places them (strategies.coprocessor.server_env)
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(wregion.fd), str(ioregion.fd),
                                str(max(ROWS))], pass_fds=(wregion.fd, ioregion.fd),
                               env={**os.environ, "GOMP_CPU_AFFINITY": " ".join(map(str, cpus(SERVER_CPUS)))})

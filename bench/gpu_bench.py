@@ -311,7 +311,7 @@ def planned_split(strategy: str, **expected):
     """(split, layout, estimates) the planner resolves for planned_stages(strategy)."""
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
     plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": strategy, **SHAPE, **expected,
                            "stages": planned_stages(strategy)})
     return resolve_split(plan, model_shape(MODELS[MODEL]))
@@ -346,7 +346,7 @@ def run_planned(model, strategy: str, **env):
 
 def run_planned_prefetch_plain(model):
     """vLLM's prefetch offloader on plain `vllm serve`, streaming as many layers as p-offload's split."""
-    from vllm_hybrid.strategy import prefetch_groups
+    from vllm_hybrid.strategies.offload import prefetch_groups
     split, lay, _ = planned_split("offload")
     shape = split.shape
     group, in_group = prefetch_groups(shape.num_layers, round(lay.offload_bytes[0] / shape.layer_bytes))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from vllm_hybrid.plan import plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
-from vllm_hybrid.strategy import Hardware, resolve
+from vllm_hybrid.strategies import Hardware, resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",

@@ -1,4 +1,4 @@
-"""What spec.strategy changes in the pods (the runtime's vllm_hybrid/strategy.py decides the rest). Pure.
+"""What spec.strategy changes in the pods (the runtime's vllm_hybrid/strategies/ decides the rest). Pure.
 
 offload runs the gpu stages only: each cpu stage's layers sit in the host RAM of a gpu stage and are
 streamed to its GPU, which computes them. balanced runs every stage and each cpu stage keeps its layers,

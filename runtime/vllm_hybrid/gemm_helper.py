@@ -24,7 +24,7 @@ import torch
 
 from . import hostmem
 from .gemm_split import REPLY, REQUEST, io_layout, recv_exact, recv_msg, send_msg
-from .planner import HELPER_RING as RING  # the planner leaves the GPU memory for it
+from .strategies.balanced import HELPER_RING as RING  # the planner leaves the GPU memory for it
 
 log = logging.getLogger("vllm_hybrid.gemm_helper")
 

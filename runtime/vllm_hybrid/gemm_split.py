@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hostmem
-from .strategy import Rates, gpu_rows
+from .strategies.balanced import Rates, gpu_rows
 
 log = logging.getLogger("vllm_hybrid.gemm_split")
 REQUEST = struct.Struct("<iiii")  # layer, rows, n0 (rows of the weight on the GPU), seq

@@ -11,7 +11,6 @@ import yaml
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 DEVICES = ("gpu", "cpu")
-STRATEGIES = ("pipeline", "offload", "balanced", "coprocessor", "auto")
 OFFLOAD_BACKENDS = ("prefetch", "uva")  # vLLM's two weight offloaders (strategy offload)
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|)$")
 _SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
@@ -67,11 +66,11 @@ class Plan:
     load_format: str = "auto"
     strategy: str = "pipeline"
     offload_backend: str = "prefetch"  # strategy offload: vLLM's prefetch offloader, or UVA (--cpu-offload-gb)
-    # the workload `strategy: auto` plans for (None: see strategy.Workload's defaults)
+    # the workload `strategy: auto` plans for (None: see strategies.cost.Workload's defaults)
     expected_concurrency: int | None = None
     expected_prompt_tokens: int | None = None
     expected_output_tokens: int | None = None
-    hardware: tuple[tuple[str, float], ...] = ()  # strategy.Hardware overrides: measured figures of the box
+    hardware: tuple[tuple[str, float], ...] = ()  # strategies.cost.Hardware overrides: measured figures of the box
     # seconds without a finished step, requests pending, before a stage restarts (None: sized from the
     # expected step time, progress.default_timeouts; 0: never)
     stall_timeout: int | None = None
@@ -139,7 +138,7 @@ def _stage(raw: Any, i: int) -> Stage:
 
 
 def _hardware(raw: Any) -> tuple[tuple[str, float], ...]:
-    from .strategy import HARDWARE_KEYS
+    from .strategies.cost import HARDWARE_KEYS  # the strategies build on this module
     if raw is None:
         return ()
     if not isinstance(raw, dict):
@@ -173,8 +172,9 @@ def plan_from_dict(raw: Any) -> Plan:
                                maximum=65535 if key.endswith("port") else None)
     if kwargs.get("dtype", "auto") not in DTYPES:
         raise PlanError(f"dtype: expected one of {DTYPES}, got {kwargs['dtype']!r}")
-    if kwargs.get("strategy", "pipeline") not in STRATEGIES:
-        raise PlanError(f"strategy: expected one of {STRATEGIES}, got {kwargs['strategy']!r}")
+    from .strategies import NAMES  # the registry (it builds on this module)
+    if kwargs.get("strategy", "pipeline") not in NAMES:
+        raise PlanError(f"strategy: expected one of {NAMES}, got {kwargs['strategy']!r}")
     if kwargs.get("offload_backend", "prefetch") not in OFFLOAD_BACKENDS:
         raise PlanError(f"offload_backend: expected one of {OFFLOAD_BACKENDS}, got {kwargs['offload_backend']!r}")
     if kwargs.get("block_size", 128) % 32:

@@ -6,7 +6,6 @@ pipeline computes the same split without talking to the others.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,17 +27,6 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # the Python/torch runtime and compile caches on CPU stages.
 GPU_RUNTIME_RESERVE = 2 * GiB
 CPU_RUNTIME_RESERVE = 3 * GiB
-# offload: vLLM's prefetch offloader keeps static GPU buffers for prefetch_step (1) streamed layer
-# (vllm/model_executor/offloader/prefetch.py, StaticBufferPool slot_capacity)
-PREFETCH_BUFFER_LAYERS = 1
-# coprocessor: the same offloader two layers ahead (the CPU's and the copy's times per layer vary by product)
-COPROC_PREFETCH_STEP = 2
-# balanced: weights in flight in the GEMM helper's ring per CPU worker (about two decoder layers ahead),
-# and with its miss buffer the device buffers it holds
-HELPER_RING = int(os.environ.get("HYBRID_GEMM_RING", "8"))
-HELPER_RING_SLOTS = HELPER_RING + 1
-HELPER_CONTEXT = GiB // 2  # its CUDA context and kernels
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -112,16 +100,6 @@ class ModelShape:
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    def biggest_split_weight(self, lm_head: bool) -> tuple[int, int]:
-        """(rows, cols) of the largest 2-D product a balanced CPU stage splits (experts are 3-D: not split)."""
-        qkv = ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden)
-        candidates = [qkv, (self.hidden, self.heads * self.head_dim)]
-        if not self.experts:
-            candidates += [(2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
-        if lm_head:
-            candidates.append((self.vocab, self.hidden))
-        return max(candidates, key=lambda rc: rc[0] * rc[1])
-
 
 def _power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
@@ -175,7 +153,7 @@ class StagePlan:
     budget_bytes: int
     kv_bytes: int
     kv_tokens: int
-    beside_vllm_bytes: int = 0  # gpu stages: what takes GPU memory outside vLLM (balanced: the GEMM helper)
+    beside_vllm_bytes: int = 0  # gpu stages: what takes GPU memory outside vLLM (a strategy's sidecar)
     gpu_memory_bytes: int | None = None  # of one GPU, where known
 
     @property
@@ -244,37 +222,19 @@ def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
     return fixed
 
 
-def streaming_gpu(stages: tuple[Stage, ...], index: int) -> int:
-    """The gpu stage serving cpu stage `index` under offload and balanced: the one before it (layers stay
-    contiguous), else the first."""
-    gpus = [i for i, s in enumerate(stages) if not s.is_cpu]
-    return max((j for j in gpus if j < index), default=min(gpus))
-
-
-def helper_gpu_bytes(plan: Plan, shape: ModelShape, gpu: int) -> int:
-    """balanced: GPU memory that gpu stage `gpu`'s GEMM helper takes beside vLLM: a ring of the biggest
-    split weight per CPU worker it serves, the largest output of a prefill chunk, its CUDA context."""
-    served = [i for i, s in enumerate(plan.stages) if s.is_cpu and streaming_gpu(plan.stages, i) == gpu]
-    if not served:
-        return 0
-    n = len(plan.stages)
-    rows, cols = max((shape.biggest_split_weight(lm_head=i == n - 1) for i in served), key=lambda rc: rc[0] * rc[1])
-    workers = sum(plan.stages[i].tensor_parallel for i in served)
-    ring = workers * HELPER_RING_SLOTS * rows * cols * shape.dtype_bytes
-    return ring + plan.max_num_batched_tokens * (rows + cols) * shape.dtype_bytes + HELPER_CONTEXT
-
-
 def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = None,
                  strategy: str = "pipeline") -> Split:
-    """Layers per stage so that each stage's weights + KV fit its budget under `strategy`: offload's gpu
-    stage also holds the KV of the layers it streams, the LM head and the prefetch buffers; balanced's
-    leaves room for its GEMM helper."""
+    """Layers per stage so that each stage's weights + KV fit its budget under `strategy`, by its budget
+    hooks (strategies.base.Strategy): a gpu stage that streams cpu stages' layers also holds their KV, the LM
+    head and its buffers; one that runs a sidecar leaves it room."""
+    from .strategies import get  # they build on this module
+    strat = get(strategy)
     n, total = len(plan.stages), shape.num_layers
     # Every stage must hold KV for at least one full-length sequence.
     min_kv_per_layer = shape.kv_bytes_per_token_per_layer * plan.max_model_len
     per_layer = shape.layer_bytes + min_kv_per_layer
     gpus = [i for i, s in enumerate(plan.stages) if not s.is_cpu]
-    beside = [helper_gpu_bytes(plan, shape, i) if strategy == "balanced" and i in gpus else 0 for i in range(n)]
+    beside = [strat.beside_vllm_bytes(plan, shape, i) if i in gpus else 0 for i in range(n)]
     if plan.layers_explicit:
         counts = [s.layers for s in plan.stages]
         if sum(counts) != total:
@@ -285,24 +245,21 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
         if total < n:
             raise PlanError(f"stages: {n} stages but the model has only {total} layers")
         budgets = [stage_budget(s, gpu_memory_bytes) - beside[i] for i, s in enumerate(plan.stages)]
-        # offload: the cpu stages' layers become the gpu pod's pinned copies (their KV lives on the GPU)
-        host_layer = [shape.pinned_layer_bytes if strategy == "offload" and s.is_cpu else per_layer for s in plan.stages]
+        host_layer = [strat.cpu_layer_bytes(shape, per_layer) if s.is_cpu else per_layer for s in plan.stages]
         capacity = [max(0, (b - _fixed_bytes(shape, i, n)) // host_layer[i]) for i, b in enumerate(budgets)]
-        if strategy in ("offload", "coprocessor") and gpus and len(gpus) < n:
-            # beside its own layers' weights: every layer it may serve's KV, both ends, the prefetch buffers
-            buffers = COPROC_PREFETCH_STEP if strategy == "coprocessor" else PREFETCH_BUFFER_LAYERS
+        if strat.gpu_buffer_layers and gpus and len(gpus) < n:
+            # beside its own layers' weights: every layer it may serve's KV, both ends, the streaming buffers
             reserved = (2 * shape.embedding_bytes + (total - len(gpus) + 1) * min_kv_per_layer
-                        + buffers * shape.layer_bytes)
+                        + strat.gpu_buffer_layers * shape.layer_bytes)
             for g in gpus:
                 capacity[g] = max(0, (budgets[g] - reserved) // shape.layer_bytes)
         counts = _assign(plan.stages, capacity, total)
     stages = []
     first = 0
     for i, (s, count, budget) in enumerate(zip(plan.stages, counts, budgets)):
-        # offload and coprocessor: a cpu stage's layers are streamed weights only (offload's as pinned
-        # copies), their KV lives on the GPU that computes them
-        streamed = s.is_cpu and strategy in ("offload", "coprocessor") and bool(gpus)
-        layer = shape.pinned_layer_bytes if streamed and strategy == "offload" else shape.layer_bytes
+        # a streamed cpu stage's layers are weights only: their KV lives on the GPU that computes them
+        streamed = s.is_cpu and strat.gpu_buffer_layers > 0 and bool(gpus)
+        layer = strat.streamed_layer_bytes(shape) if streamed else shape.layer_bytes
         weights = count * layer + _fixed_bytes(shape, i, n)
         kv_floor = 0 if streamed else count * min_kv_per_layer
         need = weights + kv_floor

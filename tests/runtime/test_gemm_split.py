@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from vllm_hybrid import hostmem
 from vllm_hybrid.gemm_split import SplitClient, place_weights
-from vllm_hybrid.strategy import ALIGN, Hardware, Rates, gpu_rows, split_pass_s, split_rates
+from vllm_hybrid.strategies import Hardware
+from vllm_hybrid.strategies.balanced import ALIGN, Rates, gpu_rows, split_pass_s, split_rates
 
 SHAPES = [(96, 64), (64, 96), (40, 64)]  # three layers; the last is narrower than three 16-row blocks
 

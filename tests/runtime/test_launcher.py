@@ -97,7 +97,8 @@ def test_a_cpu_stage_pins_only_cores_that_are_its_own(caplog):
     assert "cpuset 0-63 is shared" in caplog.text and "threads not pinned, 16 OpenMP threads" in caplog.text
     env = vllm_env(*_built(1)[:3], shared, {})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "16"
-    from vllm_hybrid.launcher import binding_cpus, server_env
+    from vllm_hybrid.launcher import binding_cpus
+    from vllm_hybrid.strategies.coprocessor import server_env
     assert binding_cpus(shared) == "unpinned: 16 threads over 0-63" and binding_cpus(own) == "4-18"
     assert "GOMP_CPU_AFFINITY" not in server_env(shared, {}, 1, "cpu")
 
@@ -186,8 +187,8 @@ def test_stage_left_out_by_offload_idles_with_metrics(tiny_llama, tmp_path):
 
 
 def test_a_balanced_gpu_stage_leaves_its_helper_room_on_the_gpu():
-    from vllm_hybrid.planner import helper_gpu_bytes
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
+    from vllm_hybrid.strategies.balanced import helper_gpu_bytes
     raw = {**PLAN, "strategy": "balanced", "max_num_batched_tokens": 4096}
     raw["stages"] = [dict(PLAN["stages"][0], memory="80Gi"), PLAN["stages"][1]]
     plan = plan_from_dict(raw)
@@ -200,7 +201,7 @@ def test_a_balanced_gpu_stage_leaves_its_helper_room_on_the_gpu():
 
 
 def test_coprocessor_gpu_stage_streams_from_the_cpu_stages_server():
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
     plan = plan_from_dict({**PLAN, "strategy": "coprocessor"})
     split, lay, _ = resolve_split(plan, model_shape(LLAMA_8B))
     assert lay.stages == (0,) and lay.layers == (32,) and lay.servers == ((1, 0),)
@@ -218,7 +219,7 @@ def test_coprocessor_gpu_stage_streams_from_the_cpu_stages_server():
 
 
 def test_coprocessor_refuses_what_it_cannot_run():
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
     with pytest.raises(PlanError, match="coprocessor needs the stages of a replica to share /dev/shm"):
         resolve_split(plan_from_dict({**PLAN, "strategy": "coprocessor"}), model_shape(LLAMA_8B), shared_shm=False)
     cpu_only = {**PLAN, "strategy": "coprocessor", "stages": [PLAN["stages"][1], {**PLAN["stages"][1], "name": "c2"}]}
@@ -242,7 +243,7 @@ def test_cli_coprocessor_cpu_stage_runs_the_product_server(tiny_llama, tmp_path)
 
 
 def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_layers():
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
     raw = {**PLAN, "strategy": "coprocessor"}
     raw["stages"] = [dict(PLAN["stages"][0], layers=17), dict(PLAN["stages"][1], layers=15)]
     plan = plan_from_dict(raw)
@@ -253,7 +254,7 @@ def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_l
 
 
 def test_coprocessor_server_threads_one_per_core_and_passive():
-    from vllm_hybrid.launcher import server_env
+    from vllm_hybrid.strategies.coprocessor import server_env
     binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]}, reserve=0)
     env = server_env(binding, {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}, 1, "cpu")
     assert env["OMP_NUM_THREADS"] == "4" and env["GOMP_CPU_AFFINITY"] == binding.omp_bind.replace(",", " ")
@@ -261,7 +262,7 @@ def test_coprocessor_server_threads_one_per_core_and_passive():
 
 
 def test_coprocessor_needs_one_cpu_stage_per_gpu_stage():
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
     three = {**PLAN, "strategy": "coprocessor",
              "stages": [dict(PLAN["stages"][0], layers=8), dict(PLAN["stages"][1], layers=12),
                         dict(PLAN["stages"][1], name="cpu2", layers=12)]}

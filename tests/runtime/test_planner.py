@@ -124,8 +124,8 @@ def test_a_model_larger_than_the_gpu_splits_by_both_memories():
 
 def test_each_strategy_gets_a_split_that_fits_its_gpu_memory():
     # the 70B shape on an 80 GB GPU + 110Gi for the cpu stage, CPU stage first (the LM head on the GPU)
-    from vllm_hybrid.planner import HELPER_RING_SLOTS, helper_gpu_bytes
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
+    from vllm_hybrid.strategies.balanced import HELPER_RING_SLOTS, helper_gpu_bytes
     from vllm_hybrid.tinymodel import LLAMA_3_1_70B
     shape, gpu_mem = model_shape(LLAMA_3_1_70B), int(79.2 * GiB)
     stages = [{"name": "cpu", "device": "cpu", "cpus": 15, "memory": "110Gi"},

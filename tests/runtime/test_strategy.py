@@ -5,8 +5,10 @@ import pytest
 from vllm_hybrid.cpubind import CpuBinding
 from vllm_hybrid.launcher import Identity, helper_command, resolve_stage, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
-from vllm_hybrid.planner import HELPER_CONTEXT, model_shape, split_layers
-from vllm_hybrid.strategy import Hardware, Rates, prefetch_groups, resolve, split_rates
+from vllm_hybrid.planner import GiB, model_shape, split_layers
+from vllm_hybrid.strategies import Hardware, resolve
+from vllm_hybrid.strategies.balanced import HELPER_CONTEXT, Rates, split_rates
+from vllm_hybrid.strategies.offload import prefetch_groups
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
@@ -221,7 +223,7 @@ def test_the_70b_cost_model_picks_the_fastest_measured_on_the_h100_box():
     # planner from the box's memories. The box's CPU does a decode token's work at 0.45 of the H200 box's (its
     # pipeline, balanced and coprocessor steps grow 2-3.6x faster per token there); with that one figure auto
     # picks the fastest measured at every concurrency, where the H200 figures picked coprocessor at 64 (0.78x)
-    from vllm_hybrid.strategy import resolve_split
+    from vllm_hybrid.strategies import resolve_split
     from vllm_hybrid.tinymodel import LLAMA_3_1_70B
     run = bench_run("gpu_bench-70b-h100.json")
     waves = {s: {w["concurrency"]: w["tok_per_s"] for w in run[f"p-{k}"]["waves"]}
@@ -245,3 +247,36 @@ def test_the_70b_cost_model_picks_the_fastest_measured_on_the_h100_box():
         for s, tok_s in measured.items():  # a wave also ramps up and down, which the model leaves out (offload: 1.1-1.3x)
             assert 0.75 < est[s] / tok_s < 1.4, (c, s)
     assert auto(64, {"dram_gbs": run["dram_read_gbs"]})[0] == "coprocessor" != max(measured, key=measured.get)
+
+
+def test_every_registered_strategy_implements_the_interface_and_an_unknown_one_is_named():
+    from vllm_hybrid.strategies import NAMES, STRATEGIES, Strategy, Workload, get
+    from vllm_hybrid.strategies.base import StageExtras
+    from vllm_hybrid.strategies.cost import StageCost
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+    assert NAMES == (*STRATEGIES, "auto") and set(STRATEGIES) >= {"pipeline", "offload", "balanced", "coprocessor"}
+    shape = model_shape(MIXTRAL_8X7B, "bfloat16")  # a mixture of experts, which every strategy runs
+    for name, strategy in STRATEGIES.items():
+        assert isinstance(strategy, Strategy) and strategy.name == name and get(name) is strategy
+        plan, _ = planned([GPU, {**CPU, "memory": "100Gi"}], strategy=name)  # plan.py takes every registered name
+        assert strategy.refused(plan, True) is None
+        split = split_layers(plan, shape, strategy=name)
+        lay = strategy.layout(plan, split)
+        assert lay.strategy == name and sum(lay.layers) == shape.num_layers
+        for k, i in enumerate(lay.stages):
+            assert isinstance(strategy.stage(plan, split, lay, Identity(i, 0, "m", None), {}), StageExtras)
+            cost = strategy.cost(plan, split, lay, k, Workload(), Hardware())
+            assert isinstance(cost, StageCost) and cost.step_s >= 0 and cost.prefill_s >= 0
+    with pytest.raises(PlanError, match=r"strategy: unknown strategy 'experts' \(known: pipeline, offload, balanced, "
+                                        r"coprocessor\)"):
+        get("experts")
+    with pytest.raises(PlanError, match=r"strategy: expected one of \('pipeline', .*'auto'\), got 'experts'"):
+        planned([GPU, CPU], strategy="experts")
+
+
+def test_a_lone_gpu_stage_is_planned_as_plain_vllm():
+    from vllm_hybrid.strategies import resolve_split
+    plan = plan_from_dict({"model": "m", "strategy": "auto", "stages": [{"name": "gpu", "device": "gpu"}]})
+    split, lay, estimates = resolve_split(plan, SHAPE, 80 * GiB)  # its step is the GPU's own: not a zero to divide by
+    assert (lay.strategy, lay.layers, split.stages[0].layers) == ("pipeline", (32,), 32)
+    assert list(estimates) == ["pipeline"] and estimates["pipeline"] > 0
