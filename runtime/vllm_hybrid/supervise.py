@@ -189,13 +189,18 @@ class ShmJanitor:
         self.journal = state + ".journal"  # names vLLM's processes write as they create them (patches.py)
 
     def record(self, pids) -> None:
-        found = shm_in_use(pids) - self.owned - {os.path.basename(self.state), os.path.basename(self.journal)}
-        if found:
-            self.owned |= found
+        self._own(shm_in_use(pids) - {os.path.basename(self.state), os.path.basename(self.journal)})
+
+    def _own(self, names: set[str]) -> None:
+        if names - self.owned:
+            self.owned |= names
             tmp = self.state + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(sorted(self.owned), f)
             os.replace(tmp, self.state)
+
+    def _existing(self, names) -> set[str]:
+        return {n for n in names if os.path.lexists(os.path.join(self.dir, n))}
 
     def journaled(self) -> set[str]:
         try:
@@ -218,15 +223,21 @@ class ShmJanitor:
 
     def cleanup_previous(self) -> list[str]:
         try:
-            names = json.load(open(self.state))
+            names = set(json.load(open(self.state)))
         except (OSError, ValueError):
-            names = []
+            names = set()
+        names |= self.journaled()
         removed = self.cleanup(names)
         self._forget()
+        # one a process of the previous run still mapped (it was dying): still ours, removed at this run's end
+        self._own(self._existing(names - set(removed)))
         return removed
 
-    def finish(self) -> None:
-        self.cleanup()
+    def finish(self, wait_s: float = 5.0) -> None:
+        end = time.monotonic() + wait_s
+        # the stage's processes may still be unmapping as they exit: retry what was busy for a few seconds
+        while self._existing(self.owned | self.journaled()) - set(self.cleanup()) and time.monotonic() < end:
+            time.sleep(0.2)
         self._forget()
 
     def _forget(self) -> None:

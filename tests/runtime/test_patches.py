@@ -98,3 +98,32 @@ def test_shm_names_are_journaled_as_they_are_made_and_removed_at_the_next_start(
     assert janitor.journaled() == made
     assert set(janitor.cleanup_previous()) == made
     assert not made & set(os.listdir("/dev/shm")) and not os.path.exists(janitor.journal)
+
+
+def test_a_segment_still_mapped_at_the_next_start_is_removed_at_that_runs_end(tmp_path):
+    """A dying process of the previous run may still map what it left: the next start keeps the name and
+    removes it at its own end (forgetting it leaked two segments in a crash-loop test, now and then)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from vllm_hybrid.supervise import ShmJanitor
+    child = ("import sys, time\nfrom multiprocessing import resource_tracker, shared_memory\n"
+             "resource_tracker.register = lambda *a: None\n"
+             "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
+             "print(shm.name.lstrip('/'), flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+        previous = ShmJanitor(str(tmp_path / "stage.json"))
+        previous.record([proc.pid])  # the previous run saw it mapped, then was killed
+        janitor = ShmJanitor(str(tmp_path / "stage.json"))
+        assert janitor.cleanup_previous() == [] and name in os.listdir("/dev/shm")  # busy: left alone
+        assert name in janitor.owned
+    finally:
+        proc.kill()
+        proc.wait()
+    t0 = time.monotonic()
+    janitor.finish()
+    assert name not in os.listdir("/dev/shm") and time.monotonic() - t0 < 1
