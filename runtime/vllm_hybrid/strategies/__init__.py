@@ -12,10 +12,11 @@ from .balanced import Balanced
 from .base import Layout, Strategy
 from .coprocessor import Coprocessor
 from .cost import Hardware, Workload, hardware_of, workload_of
+from .experts import Experts
 from .offload import Offload
 from .pipeline import Pipeline
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Pipeline(), Offload(), Balanced(), Coprocessor())}
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Pipeline(), Offload(), Balanced(), Coprocessor(), Experts())}
 NAMES = (*STRATEGIES, "auto")  # what plan.strategy may name; auto tries them in registry order (ties: the first)
 
 __all__ = ["NAMES", "STRATEGIES", "Hardware", "Layout", "Strategy", "Workload", "get", "hardware_of", "predict",
@@ -77,7 +78,9 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
     for name, strategy in STRATEGIES.items():
         if strategy.hybrid and not mixed:
             continue  # refused below, once the API stage is checked
-        why = strategy.refused(plan, shared_shm)
+        if plan.strategy == "auto" and not strategy.auto:
+            continue
+        why = strategy.refused(plan, shared_shm) or strategy.refused_model(split.shape)
         if why is None:
             candidates.append(name)
         elif plan.strategy == name:

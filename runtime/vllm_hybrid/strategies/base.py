@@ -86,10 +86,15 @@ class Strategy:
     in the record, no server, no cost)."""
     name: str
     hybrid = True  # needs a gpu stage and a cpu stage (else refused, after the API stage check)
+    auto = True    # a candidate of `auto` (a strategy whose cost model no run has checked yet is not)
 
     def refused(self, plan: Plan, shared_shm: bool) -> str | None:
         """Why it cannot run `plan` (the end of "strategy: NAME needs ..."); None: it can. `plan` has a gpu
         and a cpu stage; shared_shm: whether a replica's stages share /dev/shm."""
+        return None
+
+    def refused_model(self, shape: ModelShape) -> str | None:
+        """Why it cannot run this model (the end of "strategy: NAME needs ..."); None: it can."""
         return None
 
     # planner (split_layers): what the strategy takes of each stage's budget

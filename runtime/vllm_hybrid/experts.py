@@ -1,0 +1,467 @@
+"""strategy experts: the main stage runs every layer; some routed experts of each MoE layer live in the CPU pod.
+
+Those experts' weights live once, in a region the CPU pod owns (hostmem, as coproc.py); the main stage's loader
+writes them there (patches.patch_experts) and keeps only its own experts in the layer's parameters, under an
+expert map in which the remote ones are -1 (vLLM's expert-parallel path skips them). For a step of at most
+`max_rows` tokens, per MoE layer (docs/design-experts.md):
+  main  writes x (T x H), the top-k ids and weights into the io region, stores layer = l, then req = T;
+        computes its own experts; waits for done == 1, stores done = 0; adds y.
+  CPU   spins on req; groups the routed (token, slot) pairs by remote expert and computes each such expert once
+        over its tokens (gate_up, SiLU-and-mul, down, times the routing weight), summed into y; stores done = 1.
+On CUDA the main stage's side is stream memory operations (memops), so CUDA graphs capture it; on CPU (tests) it
+is the same protocol with plain stores and a spin. Larger steps compute the remote experts on the main stage's
+device from the region (the CPU pod is not asked).
+
+Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors by SCM_RIGHTS):
+  main -> CPU {"weights_bytes"}              CPU -> main {"page", "describe"} + the weights region's fd
+  (the main stage's loader fills the region)
+  main -> CPU {"dtype", "max_rows", "top_k", "hidden",
+               "layers": [{"layer", "experts": [{"id", "w13": [offset, 2I, H], "w2": [offset, H, I]}]}]}
+                                             CPU -> main {"threads"} + the io region's fd
+  The connection stays open; when it closes (the main stage went), the server exits.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import hostmem
+from .coproc import _closed
+from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
+    BYTES_ENV,
+    DEFAULT_MAX_ROWS,
+    MAX_ROWS_ENV,
+    REMOTE_ENV,
+    SOCKET_ENV,
+    format_placement,
+    parse_placement,
+    place,
+)
+
+log = logging.getLogger("vllm_hybrid.experts")
+LINE = 64            # one cache line per word: the main stage's stores and the CPU's spins do not share lines
+REQ, LAYER, DONE = 0, 1, 2  # the words, in lines; req = the step's tokens (0: idle)
+
+
+# --- placement (pure: strategies/experts.py) and vLLM's expert map -------------------------------
+
+def expert_map(num_experts: int, remote: Sequence[int]) -> tuple[int, torch.Tensor]:
+    """vLLM's expert map for the main stage: global id -> local index, -1 for a remote expert."""
+    if any(not 0 <= e < num_experts for e in remote) or len(set(remote)) >= num_experts:
+        raise ValueError(f"remote experts {list(remote)} of {num_experts}: ids in range, at least one local")
+    local = [e for e in range(num_experts) if e not in set(remote)]
+    emap = [-1] * num_experts
+    for i, e in enumerate(local):
+        emap[e] = i
+    return len(local), torch.tensor(emap, dtype=torch.int32)
+
+
+def remote_mask(num_experts: int, remote: Sequence[int]) -> torch.Tensor:
+    mask = torch.zeros(num_experts, dtype=torch.bool)
+    mask[list(remote)] = True
+    return mask
+
+
+# --- the kernel ------------------------------------------------------------------------------------
+
+@dataclass
+class Served:
+    steps: int = 0
+    expert_reads: int = 0   # GEMM pairs: one per remote expert with tokens in a step (its weights read once)
+    expert_tokens: int = 0  # (token, expert) pairs computed
+    busy_s: float = 0.0     # computing (the rest of the time it waits for the main stage)
+
+
+def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            experts_of_layer: Sequence[tuple[torch.Tensor, torch.Tensor]], remote_ids: Sequence[int],
+            served: Served | None = None) -> torch.Tensor:
+    """y (T x H, x's dtype): the sum over the routed slots (t, j) whose expert ids[t, j] is remote of
+    weights[t, j] * w2 @ (silu(g) * u), (g, u) = w13 @ x[t]. experts_of_layer[i] = (w13 (2I x H), w2 (H x I)) of
+    global expert remote_ids[i]. Tokens grouped by expert: each expert with tokens is one GEMM pair."""
+    rows, k = ids.shape
+    y = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device)
+    where = {e: i for i, e in enumerate(remote_ids)}
+    flat = ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    present, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    for e, n in zip(present.tolist(), counts.tolist()):
+        slots, start = order[start:start + n], start + n
+        if e not in where:
+            continue  # a main-stage expert
+        w13, w2 = experts_of_layer[where[e]]
+        tokens = slots // k
+        h = F.linear(x[tokens], w13)
+        inter = w2.shape[1]
+        out = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2)
+        y.index_add_(0, tokens, out.float() * weights.reshape(-1)[slots, None].float())
+        if served is not None:
+            served.expert_reads += 1
+            served.expert_tokens += n
+    return y.to(x.dtype)
+
+
+# --- the io region ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IoLayout:
+    """Byte offsets in the io region: three words, then two buffer sets (x, top-k ids, top-k weights, y), one per
+    layer parity, so layer l+1's input can land while layer l's y is still being read."""
+    max_rows: int
+    hidden: int
+    top_k: int
+    elem: int = 2
+
+    flags_bytes = 3 * LINE
+
+    def part_bytes(self) -> tuple[int, int, int, int]:
+        r = lambda n: hostmem.round_up(n, LINE)
+        xy = r(self.max_rows * self.hidden * self.elem)
+        return xy, r(self.max_rows * self.top_k * 4), r(self.max_rows * self.top_k * 4), xy
+
+    @property
+    def set_bytes(self) -> int:
+        return sum(self.part_bytes())
+
+    @property
+    def nbytes(self) -> int:
+        return self.flags_bytes + 2 * self.set_bytes
+
+    def offset(self, part: int, layer: int) -> int:
+        """part: 0 x, 1 ids, 2 weights, 3 y."""
+        return self.flags_bytes + (layer % 2) * self.set_bytes + sum(self.part_bytes()[:part])
+
+
+class IoViews:
+    """Views of an io region (`raw`: a CPU uint8 tensor over the shared mapping; the GPU passes its device view)."""
+
+    def __init__(self, raw: torch.Tensor, layout: IoLayout, dtype: torch.dtype):
+        self.raw, self.layout, self.dtype = raw, layout, dtype
+        # numpy views: the server spins on these words, and a numpy read costs a tenth of a tensor index
+        self.words = raw[:layout.flags_bytes].numpy().view("int32")[::LINE // 4]
+
+    def _view(self, raw, part: int, layer: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        raw = self.raw if raw is None else raw
+        off = self.layout.offset(part, layer)
+        return raw[off:off + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+
+    def x(self, layer: int, rows: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+        return self._view(raw, 0, layer, rows, self.layout.hidden, self.dtype)
+
+    def ids(self, layer: int, rows: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+        return self._view(raw, 1, layer, rows, self.layout.top_k, torch.int32)
+
+    def weights(self, layer: int, rows: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+        return self._view(raw, 2, layer, rows, self.layout.top_k, torch.float32)
+
+    def y(self, layer: int, rows: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+        return self._view(raw, 3, layer, rows, self.layout.hidden, self.dtype)
+
+
+# --- the CPU pod's server --------------------------------------------------------------------------
+
+Layers = dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]  # layer -> (global ids, (w13, w2))
+
+
+def serve(layers: Layers, io: IoViews, stop=lambda: False, idle_check: float = 0.5,
+          served: Served | None = None) -> int:
+    """The CPU pod's loop: wait for a request, compute layer l's remote experts for its tokens into y, raise done.
+    Returns the number of steps served once `stop()` turns true (asked while idle)."""
+    words = io.words
+    served = served or Served()
+    while True:
+        spins, since = 0, time.monotonic()
+        while (rows := int(words[REQ])) == 0:
+            spins += 1
+            if spins % 4096 == 0 and time.monotonic() - since > idle_check:
+                if stop():
+                    return served.steps
+                since = time.monotonic()
+        t0 = time.perf_counter()
+        words[REQ] = 0
+        layer = int(words[LAYER])
+        ids, experts = layers[layer]
+        y = compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), experts, ids, served)
+        io.y(layer, rows).copy_(y)
+        words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
+        served.steps += 1
+        served.busy_s += time.perf_counter() - t0
+
+
+def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
+    """One main stage's session: regions, manifest, then steps until the connection closes."""
+    from .gemm_split import recv_msg, send_msg
+    first = recv_msg(conn)
+    weights = hostmem.allocate("hybrid-experts-weights", int(first["weights_bytes"]), pages)
+    send_msg(conn, {"page": weights.page_size, "describe": weights.describe()}, [weights.fd])
+    log.info("weights region: %s", weights.describe())
+    manifest = recv_msg(conn)
+    dtype = getattr(torch, manifest["dtype"])
+    flat = torch.frombuffer(weights.map, dtype=torch.uint8)
+    view = lambda off, n, k: flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k)
+    layers: Layers = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"]))
+                                                                     for e in m["experts"]])
+                      for m in manifest["layers"]}
+    layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
+    io_region = hostmem.allocate("hybrid-experts-io", layout.nbytes, "shmem")
+    io = IoViews(torch.frombuffer(io_region.map, dtype=torch.uint8), layout, dtype)
+    send_msg(conn, {"threads": torch.get_num_threads()}, [io_region.fd])
+    nbytes = sum(w.numel() * w.element_size() for _, ws in layers.values() for pair in ws for w in pair)
+    log.info("serving %d experts of %d layers (%.2f GB) on %d threads", sum(len(i) for i, _ in layers.values()),
+             len(layers), nbytes / 1e9, torch.get_num_threads())
+    return serve(layers, io, stop=lambda: _closed(conn), served=served)
+
+
+def serve_metrics(port: int, served: Served) -> None:
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    from .stage_metrics import StageMetrics, stage_labels
+    m = StageMetrics(stage_labels())
+    m.info.info({"device": "cpu", "layers": "", "strategy": "experts"})
+    reg: CollectorRegistry = m.registry
+    labels = list(m.labels)
+    for name, doc, read in (
+            ("steps", "MoE layer steps this CPU stage computed remote experts for", lambda: served.steps),
+            ("expert_reads", "Remote experts computed (each read once per step it has tokens)", lambda: served.expert_reads),
+            ("expert_tokens", "Token-expert pairs this CPU stage computed", lambda: served.expert_tokens),
+            ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)",
+             lambda: served.busy_s)):
+        Gauge(f"hybrid_experts_{name}", doc, labels, registry=reg).labels(**m.labels).set_function(read)
+    start_http_server(port, registry=reg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm_hybrid.experts", description="strategy experts: the CPU pod's expert server")
+    p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
+    p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here (the pod's probes check it)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s experts %(levelname)s %(message)s")
+    served = Served()
+    if args.metrics_port:
+        serve_metrics(args.metrics_port, served)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(args.socket)
+    srv.listen(1)
+    log.info("listening on %s (threads %d)", args.socket, torch.get_num_threads())
+    conn, _ = srv.accept()
+    with conn:
+        handle(conn, args.pages, served)
+    log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens)",
+             served.steps, served.expert_reads, served.expert_tokens)
+    return 0
+
+
+# --- the main stage's side (patches.patch_experts calls these) -------------------------------------
+
+class CpuSide:
+    """The protocol with plain stores and a spin: a main stage on CPU (tests)."""
+
+    def __init__(self, io: IoViews, alive: Callable[[], bool], timeout: float = 600.0):
+        self.io, self.alive, self.timeout = io, alive, timeout
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        rows, io = x.shape[0], self.io
+        io.x(layer, rows).copy_(x)
+        io.ids(layer, rows).copy_(ids)
+        io.weights(layer, rows).copy_(weights)
+        io.words[LAYER] = layer
+        io.words[REQ] = rows  # last: the server reads the rest once it sees this
+
+    def collect(self, layer: int, rows: int) -> torch.Tensor:
+        words, spins, end = self.io.words, 0, time.monotonic() + self.timeout
+        while words[DONE] != 1:
+            spins += 1
+            if spins % 65536 == 0 and (not self.alive() or time.monotonic() > end):
+                raise RuntimeError("strategy experts: the expert server stopped answering")
+        words[DONE] = 0
+        return self.io.y(layer, rows).clone()
+
+
+class GpuSide:
+    """The CUDA main stage's end: device pointers of the words, in-place device views of the buffers."""
+
+    def __init__(self, io: IoViews):
+        from . import memops
+        self.io, self.memops = io, memops
+        base = memops.device_pointer(io.raw.data_ptr())
+        self.req, self.layer, self.done = (base + w * LINE for w in (REQ, LAYER, DONE))
+        self.dev = memops.as_device(io.raw)
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        rows, io, mo = x.shape[0], self.io, self.memops
+        # kernels write host memory (copy_ might take the DMA engine, queued behind other copies)
+        torch.mul(x, 1, out=io.x(layer, rows, self.dev))
+        torch.mul(ids, 1, out=io.ids(layer, rows, self.dev))
+        torch.mul(weights, 1, out=io.weights(layer, rows, self.dev))
+        mo.write(self.layer, layer)
+        mo.write(self.req, rows)
+
+    def collect(self, layer: int, rows: int) -> torch.Tensor:
+        self.memops.wait(self.done, 1)
+        self.memops.write(self.done, 0)
+        return self.io.y(layer, rows, self.dev)
+
+
+@dataclass
+class Held:
+    ids: list[int]
+    weights: list[tuple[torch.Tensor, torch.Tensor]]  # (w13, w2) in the region, per remote expert
+
+
+class Client:
+    """The main stage's session with its CPU pod: the region its loader fills, the manifest, the hand-over."""
+
+    def __init__(self, remote: dict[int, list[int]], max_rows: int = DEFAULT_MAX_ROWS, device: str = "cpu"):
+        self.remote, self.max_rows, self.device = remote, max_rows, device
+        self.layers: dict[int, Held] = {}
+        self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
+        self.side: CpuSide | GpuSide | None = None
+        self.used = 0
+        self.dtype = self.top_k = self.hidden = None
+
+    def connect(self, path: str, timeout: float = 900.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                self.sock.connect(path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > end:
+                    raise RuntimeError(f"strategy experts: no expert server at {path} after {timeout:.0f} s "
+                                       "(is the cpu stage running, and does it share /dev/shm with this pod?)") from None
+                time.sleep(0.5)
+
+    def _ask_region(self, msg: dict) -> tuple[dict, object, int]:
+        from .gemm_split import recv_msg, send_msg
+        send_msg(self.sock, msg)
+        reply = recv_msg(self.sock, max_fds=1)
+        (fd,) = reply["fds"]
+        try:
+            return (reply, *hostmem.open_fd(fd))
+        finally:
+            os.close(fd)  # the mapping keeps the region
+
+    def open_weights(self, nbytes: int) -> str:
+        reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
+        self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
+        if self.device == "cuda":
+            from . import memops
+            memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: large steps copy from it
+        return reply["describe"]
+
+    @staticmethod
+    def region_bytes(count: int, w13_shape, w2_shape, dtype: torch.dtype) -> int:
+        """A region holding `count` experts of these shapes, each tensor 4 KiB aligned."""
+        one = sum(hostmem.round_up(s[0] * s[1] * dtype.itemsize, 4096) for s in (w13_shape, w2_shape))
+        return count * one
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """Room in the region for a tensor like `like` (4 KiB aligned)."""
+        start = hostmem.round_up(self.used, 4096)
+        nbytes = like.numel() * like.element_size()
+        if start + nbytes > self.wbytes:
+            raise RuntimeError(f"strategy experts: the remote experts need more than the {self.wbytes} bytes "
+                               f"of the region ({BYTES_ENV})")
+        self.used = start + nbytes
+        return self.flat[start:start + nbytes].view(like.dtype).view(like.shape)
+
+    def hold(self, layer: int, w13_shape, w2_shape, dtype: torch.dtype, top_k: int) -> Held:
+        """Region storage for layer's remote experts (the loader writes them in place)."""
+        self.dtype, self.top_k, self.hidden = dtype, top_k, w13_shape[1]
+        w13, w2 = torch.empty(w13_shape, dtype=dtype, device="meta"), torch.empty(w2_shape, dtype=dtype, device="meta")
+        ids = self.remote[layer]
+        self.layers[layer] = Held(ids, [(self.take(w13), self.take(w2)) for _ in ids])
+        return self.layers[layer]
+
+    def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self.layers[layer]
+        return held.weights[held.ids.index(gid)]
+
+    def publish(self) -> int:
+        """Tell the CPU pod where each remote expert's weights are; map the io region it returns. Its threads."""
+        base = self.flat.data_ptr()
+        loc = lambda t: [t.data_ptr() - base, *t.shape]
+        reply, self.io_map, nbytes = self._ask_region({
+            "dtype": str(self.dtype).removeprefix("torch."), "max_rows": self.max_rows, "top_k": self.top_k,
+            "hidden": self.hidden,
+            "layers": [{"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
+                                                    for e, (w13, w2) in zip(h.ids, h.weights)]}
+                       for layer, h in sorted(self.layers.items())]})
+        raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
+        io = IoViews(raw, IoLayout(self.max_rows, self.hidden, self.top_k, self.dtype.itemsize), self.dtype)
+        if self.device == "cuda":
+            from . import memops
+            memops.register(raw.data_ptr(), nbytes)
+            self.side = GpuSide(io)
+        else:
+            self.side = CpuSide(io, alive=lambda: not _closed(self.sock))
+        return reply["threads"]
+
+    def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A large step's remote experts, computed by the main stage from the region (on CUDA: copied to it)."""
+        held = self.layers[layer]
+        experts = held.weights
+        if x.device.type != "cpu":  # this layer's, for this step only (the design: the offloader's double buffer)
+            experts = [(a.to(x.device, non_blocking=True), b.to(x.device, non_blocking=True)) for a, b in experts]
+        return compute(x, ids, weights, experts, held.ids)
+
+    def moe_remote(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """y: the weighted sum of layer's remote experts over x's tokens (the main stage adds it to its own)."""
+        rows = x.shape[0]
+        if not 0 < rows <= self.max_rows:
+            return self.nearby(layer, x, topk_ids, topk_weights)
+        self.side.submit(layer, x, topk_ids, topk_weights)
+        return self.side.collect(layer, rows)
+
+    def moe(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The whole layer: the CPU pod computes the remote experts while the main stage computes its own."""
+        rows, local = x.shape[0], self.local[layer]
+        if self.side is None:
+            raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
+                               "BaseModelLoader.load_model?)")
+        if not 0 < rows <= self.max_rows:
+            return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
+        self.side.submit(layer, x, topk_ids, topk_weights)
+        out = local(x, topk_weights, topk_ids)
+        return out + self.side.collect(layer, rows)
+
+
+CLIENT: Client | None = None
+
+
+def client_from_env(device: str, env=os.environ) -> Client:
+    """The process's client, connected on first use (the first MoE layer with remote experts)."""
+    global CLIENT
+    if CLIENT is None:
+        client = Client(parse_placement(env.get(REMOTE_ENV, "")), int(env.get(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)), device)
+        client.connect(env[SOCKET_ENV])
+        CLIENT = client
+    return CLIENT
+
+
+@torch.library.custom_op("hybrid::experts_moe", mutates_args=())
+def experts_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    # opaque to torch.compile; under CUDA graphs its memops and kernels are captured and replayed
+    return CLIENT.moe(layer, x, topk_weights, topk_ids)
+
+
+@experts_moe.register_fake
+def _(x, topk_weights, topk_ids, layer):
+    return torch.empty_like(x)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""experts: the gpu stage runs every layer (attention, router, norms, the KV cache) and as many routed experts as
+its budget holds; the rest of each MoE layer's experts live once in the cpu stage's memory, which computes them
+for the tokens routed there in decode-sized steps (experts.py, run instead of vLLM on the cpu stage; the gpu side
+is patches.patch_experts). Larger steps compute them on the gpu from that memory. docs/design-experts.md."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..plan import Plan, PlanError
+from ..planner import ModelShape, Split, stage_budget
+from .base import SHARED_SHM, Layout, Server, StageExtras, Strategy, shm_socket
+from .coprocessor import server_env
+from .cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
+from .offload import prefetch_cost
+
+REGION_SLACK = 64 << 20  # the region beyond the experts' bytes: 4 KiB alignment of each tensor, rounding
+# the gpu stage's env (patches.patch_experts); also what vllm_hybrid.experts reads
+SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV = (
+    "HYBRID_EXPERTS_SOCKET", "HYBRID_EXPERTS_BYTES", "HYBRID_EXPERTS_REMOTE", "HYBRID_EXPERTS_MAX_ROWS")
+DEFAULT_MAX_ROWS = 64  # larger steps compute the remote experts on the main stage's device
+
+
+def place(num_layers: int, experts: int, remote_per_layer: float,
+          frequencies: Sequence[Sequence[float]] | None = None) -> list[list[int]]:
+    """Per layer, the global ids of its remote experts. round(remote_per_layer * num_layers) in all, the same
+    count per layer; a remainder goes one more to layers spread over the model (given routing counts: to the
+    layers whose next candidate is routed least). Which experts: given counts per layer, the least-routed
+    (ties: lower id); else consecutive ids rotating through the layers."""
+    total = round(remote_per_layer * num_layers)
+    if not 0 <= total <= num_layers * (experts - 1):
+        raise ValueError(f"{total} remote experts over {num_layers} layers of {experts}: each layer keeps at least "
+                         "one expert on the main stage")
+    base, extra = divmod(total, num_layers)
+    if frequencies is None:
+        more = {i * num_layers // extra for i in range(extra)}
+        counts = [base + (layer in more) for layer in range(num_layers)]
+        starts = [sum(counts[:layer]) for layer in range(num_layers)]
+        return [sorted((s + j) % experts for j in range(n)) for s, n in zip(starts, counts)]
+    if len(frequencies) != num_layers or any(len(f) != experts for f in frequencies):
+        raise ValueError(f"frequencies: expected {num_layers} layers x {experts} experts")
+    shares = [[c / (sum(f) or 1) for c in f] for f in frequencies]  # each layer routes the same tokens
+    order = [sorted(range(experts), key=lambda e, s=s: (s[e], e)) for s in shares]
+    more = set(sorted(range(num_layers), key=lambda layer: (shares[layer][order[layer][base]], layer))[:extra])
+    return [sorted(order[layer][:base + (layer in more)]) for layer in range(num_layers)]
+
+
+def format_placement(remote: dict[int, Sequence[int]]) -> str:
+    """HYBRID_EXPERTS_REMOTE: LAYER:ID,ID;LAYER:ID,... (layers without remote experts left out)."""
+    return ";".join(f"{layer}:{','.join(map(str, ids))}" for layer, ids in sorted(remote.items()) if ids)
+
+
+def parse_placement(text: str) -> dict[int, list[int]]:
+    try:
+        out = {int(layer): sorted(int(e) for e in ids.split(",")) for layer, ids in
+               (part.split(":") for part in text.split(";") if part.strip())}
+    except ValueError:
+        raise ValueError(f"{REMOTE_ENV}={text!r}: expected LAYER:ID,ID;LAYER:ID,... (e.g. 0:6,7;1:0,1)") from None
+    if any(e < 0 for ids in out.values() for e in ids) or any(len(set(ids)) < len(ids) for ids in out.values()):
+        raise ValueError(f"{REMOTE_ENV}={text!r}: expert ids are distinct and >= 0")
+    return out
+
+
+def experts_socket(env: dict[str, str], replica: int, cpu_stage: int) -> str:
+    """Where cpu stage `cpu_stage`'s expert server listens: the replica's shared /dev/shm."""
+    return shm_socket(env, replica, cpu_stage, "experts")
+
+
+def expert_bytes(shape: ModelShape) -> int:
+    return shape.expert_elems * shape.dtype_bytes
+
+
+def remote_count(plan: Plan, split: Split, gpu: int) -> int:
+    """How many experts (over all layers) live on the cpu stage: what the gpu stage's budget leaves after every
+    layer's attention, norms and router, both ends and KV for the expected workload (at least one sequence of
+    max_model_len). Explicit layers without the GPU's memory: the cpu stages' layers' experts."""
+    shape, sp = split.shape, split.stages[gpu]
+    total, per_layer = shape.num_layers, shape.experts
+    if not sp.budget_bytes:
+        return sum(s.layers for s in split.stages if s.stage.is_cpu) * per_layer
+    work = workload_of(plan)
+    kv_tokens = max(plan.max_model_len, work.concurrency * (work.prompt_tokens + work.output_tokens))
+    fixed = (total * (shape.layer_bytes - shape.layer_expert_bytes) + 2 * shape.embedding_bytes
+             + total * kv_tokens * shape.kv_bytes_per_token_per_layer)
+    fit = max(0, sp.budget_bytes - fixed) // expert_bytes(shape)
+    if fit < total:
+        raise PlanError(f"stages[{gpu}] ({sp.stage.name}): strategy experts does not fit: every layer's attention, "
+                        f"router and one expert, both ends and KV for {kv_tokens} tokens need more than its budget of "
+                        f"{sp.budget_bytes / (1 << 30):.2f} GiB")
+    return total * per_layer - min(fit, total * per_layer)
+
+
+def placement(plan: Plan, split: Split, gpu: int) -> list[list[int]]:
+    """Per layer, the global ids of the experts the cpu stage holds (evenly; experts.place)."""
+    shape = split.shape
+    count = min(remote_count(plan, split, gpu), shape.num_layers * (shape.experts - 1))
+    return place(shape.num_layers, shape.experts, count / shape.num_layers)
+
+
+class Experts(Strategy):
+    name = "experts"
+    auto = False  # its cost model has no measured run to check it against yet: auto does not pick it
+
+    def refused(self, plan: Plan, shared_shm: bool) -> str | None:
+        if not shared_shm:  # the stages meet through a socket and regions there
+            return SHARED_SHM
+        gpus, cpus = [s for s in plan.stages if not s.is_cpu], [s for s in plan.stages if s.is_cpu]
+        if len(gpus) != 1 or len(cpus) != 1:
+            return "one gpu stage and one cpu stage"
+        if gpus[0].tensor_parallel > 1:
+            return "tensor_parallel 1 on the gpu stage"
+        return None
+
+    def refused_model(self, shape: ModelShape) -> str | None:
+        return None if shape.experts else f"a mixture-of-experts model ({shape.architecture} has no routed experts)"
+
+    def layout(self, plan: Plan, split: Split) -> Layout:
+        if not split.shape.experts:
+            raise PlanError(f"strategy: experts needs {self.refused_model(split.shape)}")
+        gpu = next(i for i, s in enumerate(plan.stages) if not s.is_cpu)
+        cpu = next(i for i, s in enumerate(plan.stages) if s.is_cpu)
+        remote = sum(map(len, placement(plan, split, gpu))) * expert_bytes(split.shape)
+        budget = stage_budget(plan.stages[cpu], None) if plan.stages[cpu].memory_bytes else None
+        if budget is not None and remote > budget:
+            raise PlanError(f"stages[{cpu}] ({plan.stages[cpu].name}): strategy experts does not fit: its "
+                            f"{remote / (1 << 30):.2f} GiB of experts exceed its budget of {budget / (1 << 30):.2f} GiB")
+        return Layout(self.name, (gpu,), (split.shape.num_layers,), (remote,), servers=((cpu, gpu),))
+
+    def stage(self, plan, split, lay, ident, env) -> StageExtras:
+        cpu = next(c for c, g in lay.servers if g == ident.stage)
+        remote = placement(plan, split, ident.stage)
+        sock = experts_socket(env, ident.replica, cpu)
+        return StageExtras(
+            # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
+            flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS)),
+            env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
+                 (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
+                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))),
+            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote)))))
+
+    def server(self, plan, lay, ident, env) -> Server | None:
+        served = dict(lay.servers)
+        if ident.stage not in served:
+            return None
+        sock, name = experts_socket(env, ident.replica, ident.stage), plan.stages[ident.stage].name
+        port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
+        return Server(argv=("-m", "vllm_hybrid.experts", "--socket", sock, "--metrics-port", str(port)),
+                      summary={"role": "experts", "for_stage": served[ident.stage], "socket": sock},
+                      env=lambda binding, base: server_env(binding, base, ident.stage, name))
+
+    def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
+        """bench/bounds.py's terms: a decode step reads the cpu experts its tokens route to from DRAM (the gpu's
+        own layers are the step's fixed cost), plus a hand-over per layer (coproc's measured one: the same memops);
+        prompt chunks and larger steps cross PCIe with them."""
+        remote, shape, c = lay.offload_bytes[k], split.shape, work.concurrency
+        if not remote:
+            return NO_COST
+        stream = prefetch_cost(remote, work, plan, hw)
+        if c > DEFAULT_MAX_ROWS:
+            return stream
+        read = remote * (1 - (1 - shape.routed / shape.experts) ** c)
+        flops_per_token = 2 * remote / shape.dtype_bytes * shape.routed / shape.experts
+        cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
+        return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw) + shape.num_layers * hw.coproc_call_s,
+                         stream.prefill_s)

@@ -1,0 +1,269 @@
+"""Strategy experts on CPU: the expert kernel against a dense reference, the CPU pod's server against its protocol
+(the test plays the main stage, through the same client vLLM's patch uses), placement, and a tiny Mixtral whose
+remote experts live in a separate server process giving single-process vLLM's greedy tokens. The CUDA end
+(memops in CUDA graphs) runs in tests/gpu."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from pipelines import MAX_TOKENS, PROMPTS, reference
+from vllm_hybrid import experts
+from vllm_hybrid.local import free_port
+
+H, INTER, E, K = 64, 96, 8, 2
+
+
+def make_experts(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(2 * INTER, H, generator=g) * 0.1).to(dtype), (torch.randn(H, INTER, generator=g) * 0.1).to(dtype))
+            for _ in range(n)]
+
+
+def routing(rows, seed, experts_=E, k=K):
+    """Random top-k: distinct experts per token, softmax-like weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts_, generator=g)[:k] for _ in range(rows)]).to(torch.int32)
+    return ids, torch.rand(rows, k, generator=g).softmax(-1)
+
+
+def dense(x, ids, weights, all_experts, remote):
+    """Every expert for every token (fp32), then only the remote slots of the routing, weighted and summed."""
+    outs = []
+    for w13, w2 in all_experts:
+        h = x.float() @ w13.float().t()
+        outs.append((F.silu(h[:, :INTER]) * h[:, INTER:]) @ w2.float().t())
+    outs = torch.stack(outs)  # E x T x H
+    picked = outs[ids.long(), torch.arange(x.shape[0])[:, None]]  # T x k x H
+    mask = experts.remote_mask(len(all_experts), remote)[ids.long()]
+    return (picked * (weights * mask)[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_kernel_equals_the_dense_reference(dtype, tol):
+    all_experts = make_experts(E, dtype)
+    remote = [1, 4, 6]
+    theirs = [all_experts[e] for e in remote]
+    x = torch.randn(7, H).to(dtype)
+    ids, weights = routing(7, seed=1)
+    ids[:5, 0] = 4                 # several tokens on one remote expert
+    ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
+    ids[6] = torch.tensor([0, 2])  # a token with only main-stage experts: its row of y is 0
+    served = experts.Served()
+    y = experts.compute(x, ids, weights, theirs, remote, served)
+    assert y.dtype == dtype and y.shape == (7, H)
+    torch.testing.assert_close(y.float(), dense(x, ids, weights, all_experts, remote), rtol=tol, atol=tol)
+    assert torch.equal(y[6], torch.zeros(H, dtype=dtype))
+    routed = set(ids.flatten().tolist()) & set(remote)
+    # each remote expert with tokens is one GEMM pair over all of them: its weights read once this step
+    assert served.expert_reads == len(routed) == 3
+    assert served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
+
+
+def test_kernel_without_remote_tokens_is_zero_and_reads_nothing():
+    all_experts = make_experts(E, torch.float32)
+    x = torch.randn(4, H)
+    ids = torch.tensor([[0, 2], [3, 5], [0, 7], [2, 3]], dtype=torch.int32)
+    served = experts.Served()
+    y = experts.compute(x, ids, torch.rand(4, K), [all_experts[1], all_experts[4]], [1, 4], served)
+    assert torch.equal(y, torch.zeros(4, H)) and served.expert_reads == 0
+
+
+def test_kernel_fails_the_reference_when_an_expert_is_dropped():
+    """The dense check can fail: the same inputs with one remote expert missing from the kernel's list."""
+    all_experts = make_experts(E, torch.float32)
+    x = torch.randn(6, H)
+    ids, weights = routing(6, seed=3)
+    ids[:, 0] = 1
+    y = experts.compute(x, ids, weights, [all_experts[4]], [4])
+    assert not torch.allclose(y, dense(x, ids, weights, all_experts, [1, 4]), atol=1e-3)
+
+
+def test_io_layout_keeps_words_and_buffers_apart():
+    lay = experts.IoLayout(max_rows=64, hidden=4096, top_k=2, elem=2)
+    assert lay.flags_bytes == 3 * experts.LINE and lay.offset(0, 0) == lay.flags_bytes
+    offsets = [lay.offset(part, layer) for layer in (0, 1) for part in range(4)]
+    assert offsets == sorted(offsets) and all(o % experts.LINE == 0 for o in offsets)
+    assert lay.offset(1, 0) - lay.offset(0, 0) == 64 * 4096 * 2           # x
+    assert lay.offset(2, 0) - lay.offset(1, 0) == 64 * 2 * 4               # top-k ids, int32
+    assert lay.offset(3, 0) - lay.offset(2, 0) == 64 * 2 * 4               # top-k weights, float32
+    assert lay.offset(0, 1) - lay.offset(3, 0) == 64 * 4096 * 2            # y
+    assert lay.offset(0, 3) == lay.offset(0, 1) and lay.offset(0, 2) == lay.offset(0, 0)  # by layer parity
+    assert lay.offset(3, 1) + 64 * 4096 * 2 == lay.nbytes
+
+
+def _metric(port, name):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return float(re.search(rf"^hybrid_experts_{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+def test_server_computes_the_remote_experts_of_every_layer(tmp_path):
+    """`python -m vllm_hybrid.experts` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
+    size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes."""
+    remote = {0: [1, 3], 2: [0, 5, 6]}
+    weights = {layer: make_experts(E, torch.float32, seed=layer) for layer in remote}
+    path, port = str(tmp_path / "s.experts"), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem",
+                             "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu"})
+    try:
+        client = experts.Client(remote, max_rows=8, device="cpu")
+        client.connect(path, timeout=60)
+        nbytes = client.region_bytes(5, (2 * INTER, H), (H, INTER), torch.float32)
+        assert "shmem" in client.open_weights(nbytes)
+        for layer, ids in remote.items():
+            held = client.hold(layer, (2 * INTER, H), (H, INTER), torch.float32, K)
+            for e, (w13, w2) in zip(ids, held.weights):  # what the main stage's loader does
+                w13.copy_(weights[layer][e][0])
+                w2.copy_(weights[layer][e][1])
+        assert client.used <= nbytes
+        assert client.publish() >= 1
+        steps = reads = tokens = 0
+        for step, (layer, rows) in enumerate([(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)]):
+            x = torch.randn(rows, H)
+            ids, w = routing(rows, seed=10 + step)
+            if step == 3:
+                ids[:] = torch.tensor([2, 4], dtype=torch.int32)  # only main-stage experts
+            if step == 5:
+                ids[:, 0] = 6  # every token on one remote expert
+            y = client.moe_remote(layer, x, ids, w)
+            torch.testing.assert_close(y, dense(x, ids, w, weights[layer], remote[layer]), rtol=1e-5, atol=1e-5)
+            if rows <= client.max_rows:  # larger steps: the main stage computes them from the region
+                steps += 1
+                reads += len(set(ids.flatten().tolist()) & set(remote[layer]))
+                tokens += sum(int((ids == e).sum()) for e in remote[layer])
+        assert (_metric(port, "steps"), _metric(port, "expert_reads"), _metric(port, "expert_tokens")) == (
+            steps, reads, tokens)
+        assert _metric(port, "busy_seconds") > 0
+        client.sock.close()  # the main stage went: the server stops at its next idle check
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
+
+
+def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
+    path = str(tmp_path / "s.experts")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = experts.Client({0: [1]}, max_rows=4)
+        client.connect(path, timeout=60)
+        client.open_weights(client.region_bytes(1, (2 * INTER, H), (H, INTER), torch.float32))
+        client.hold(0, (2 * INTER, H), (H, INTER), torch.float32, K)
+        client.publish()
+        proc.kill()
+        proc.wait()
+        ids, w = routing(2, seed=0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="stopped answering"):
+            client.moe_remote(0, torch.randn(2, H), ids, w)
+        assert time.monotonic() - t0 < 30
+    finally:
+        proc.kill()
+
+
+def test_placement_spreads_an_even_count_over_layers():
+    assert experts.place(4, 8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the same count; ids rotate through
+    spread = experts.place(8, 8, 1.25)  # 10 over 8 layers: one more in two layers, apart
+    counts = [len(r) for r in spread]
+    assert sum(counts) == 10 and set(counts) == {1, 2} and [i for i, c in enumerate(counts) if c == 2] == [0, 4]
+    assert all(len(set(r)) == len(r) and all(0 <= e < 8 for e in r) for r in spread)
+    assert experts.place(3, 4, 0) == [[], [], []]
+    with pytest.raises(ValueError, match="at least one expert"):
+        experts.place(2, 4, 4)
+
+
+def test_placement_by_frequency_puts_the_least_routed_experts_remote():
+    freq = [[50, 5, 30, 15], [10, 40, 1, 49], [25, 25, 25, 25]]
+    assert experts.place(3, 4, 1) == [[0], [1], [2]]
+    assert experts.place(3, 4, 1, freq) == [[1], [2], [0]]  # ties: the lower id
+    # 4 over 3 layers: the extra one where the next candidate is routed least (layer 1's expert 0, 10%)
+    assert experts.place(3, 4, 4 / 3, freq) == [[1], [0, 2], [0]]
+    with pytest.raises(ValueError, match="frequencies"):
+        experts.place(2, 4, 1, freq)
+
+
+def test_placement_env_and_expert_map():
+    remote = {0: [6, 7], 3: [0, 1]}
+    text = experts.format_placement({**remote, 1: []})
+    assert text == "0:6,7;3:0,1" and experts.parse_placement(text) == remote
+    for bad in ("0:a", "0:1,1", "x", "0:-1"):
+        with pytest.raises(ValueError, match=experts.REMOTE_ENV):
+            experts.parse_placement(bad)
+    count, emap = experts.expert_map(8, [6, 1])
+    assert count == 6 and emap.tolist() == [0, -1, 1, 2, 3, 4, -1, 5]  # vLLM's expert map: -1 not local
+    assert experts.remote_mask(4, [1, 3]).tolist() == [False, True, False, True]
+    with pytest.raises(ValueError):
+        experts.expert_map(2, [0, 1])
+
+
+def test_the_hand_over_is_one_op_opaque_to_torch_compile(monkeypatch):
+    """torch.compile traces a caller of the op without a graph break (its fake gives the shape) and runs the
+    client's whole layer (remote and local experts) in it."""
+    calls = []
+
+    class Fake:
+        def moe(self, layer, x, w, ids):
+            calls.append(layer)
+            return x * 2
+
+    monkeypatch.setattr(experts, "CLIENT", Fake())
+    fn = torch.compile(lambda x, w, ids: torch.ops.hybrid.experts_moe(x, w, ids, 3) + 1, fullgraph=True, backend="eager")
+    x = torch.randn(3, H)
+    ids, w = routing(3, seed=0)
+    assert torch.equal(fn(x, w, ids), x * 2 + 1) and calls == [3]
+
+
+def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_on_the_gpu(tiny_mixtral, tmp_path):
+    plan = {"model": str(tiny_mixtral), "served_model_name": "mix", "dtype": "float32", "max_model_len": 512,
+            "strategy": "experts", "stages": [{"name": "gpu", "device": "gpu", "layers": 2},
+                                              {"name": "cpu", "device": "cpu", "layers": 2, "cpus": 4, "memory": "4Gi"}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
+    run = lambda stage, cpus: subprocess.run(
+        [sys.executable, "-m", "vllm_hybrid.cli", "serve", "--plan", str(path), "--stage", stage, "--dry-run"],
+        capture_output=True, text=True, timeout=120, env={**env, "HYBRID_CPUS": cpus})
+    resolved = lambda r: json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
+    cpu = run("1", "0-3")
+    assert cpu.returncode == 0, cpu.stderr
+    assert resolved(cpu)["role"] == "experts" and resolved(cpu)["for_stage"] == 0 and resolved(cpu)["cpus"] == "0-3"
+    assert f"-m vllm_hybrid.experts --socket {tmp_path}/hybrid-t-r0-s1.experts --metrics-port" in cpu.stdout
+    gpu = run("0", "0-1")
+    assert gpu.returncode == 0, gpu.stderr
+    # explicit layers (no GPU memory to size by): the cpu stage's 2 layers' worth of experts, 2 of each layer's 4
+    assert resolved(gpu)["cpu_experts"] == 8 and resolved(gpu)["experts"].endswith("s1.experts")
+    assert "--max-cudagraph-capture-size 64" in gpu.stdout
+
+
+@pytest.mark.slow
+def test_tiny_mixtral_with_remote_experts_gives_single_process_tokens(tiny_mixtral, tmp_path):
+    """Half of each layer's experts in the expert server (another process), steps of up to 8 tokens computed
+    there (longer prompts' prefill from the region in the main stage): the same greedy tokens as vLLM alone."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    want = [r["ids"] for r in reference(tiny_mixtral, PROMPTS, MAX_TOKENS, env=env)]
+    remote = dict(enumerate(experts.place(4, 4, 2)))
+    path = str(tmp_path / "s.experts")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got = reference(tiny_mixtral, PROMPTS, MAX_TOKENS, env={
+            **env, "HYBRID_PIPELINE": "1", experts.SOCKET_ENV: path, experts.MAX_ROWS_ENV: "8",
+            experts.REMOTE_ENV: experts.format_placement(remote)})
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    steps, reads = map(int, re.search(r"after (\d+) steps \((\d+) expert reads", out).groups())
+    # every decode step of every layer went to the server (and the warm-up's)
+    assert steps >= len(PROMPTS) * (MAX_TOKENS - 1) * 4 and reads > 0
+    assert [r["ids"] for r in got] == want
