@@ -10,13 +10,15 @@ BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s do
 EXIT_PEER_LOST = 75  # the runtime's exit code when another stage of its replica went away (supervise.py)
 
 
-def _last_failure(pod: dict[str, Any]) -> tuple[int, str] | None:
+def _last_failure(pod: dict[str, Any]) -> tuple[int, str, str] | None:
+    """(exit code, last line of the termination message, when it ended) of the pod's latest failed run."""
     for cs in pod.get("status", {}).get("containerStatuses", []):
         for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated")):
             if term and term.get("exitCode", 0) != 0:
                 lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
                 code = term.get("exitCode")
-                return code, lines[-1][-400:] if lines else f"exit code {code} ({term.get('reason', '')})"
+                line = lines[-1][-400:] if lines else f"exit code {code} ({term.get('reason', '')})"
+                return code, line, term.get("finishedAt") or ""
     return None
 
 
@@ -34,8 +36,9 @@ def replica_cause(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> str | 
     mine = [trigger] + [p for p in pods if instance(p) == instance(trigger) and pod_index(p) == pod_index(trigger)
                         and p["metadata"]["name"] != trigger["metadata"]["name"]]
     failures = [f for f in map(_last_failure, mine) if f]
-    own = [line for code, line in failures if code != EXIT_PEER_LOST]
-    return (own or [line for _, line in failures] or [None])[0]
+    # the stage that failed first (RFC 3339 seconds sort as text; ties: the trigger): the others followed it
+    own = sorted((f for f in failures if f[0] != EXIT_PEER_LOST), key=lambda f: f[2] or "~")
+    return ([line for _, line, _ in own] or [line for _, line, _ in failures] or [None])[0]
 
 
 def restart_reason(pod: dict[str, Any]) -> str | None:

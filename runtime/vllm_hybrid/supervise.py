@@ -30,6 +30,7 @@ TERM_GRACE_S = 15.0          # SIGTERM -> SIGKILL for the vLLM process group
 EXIT_PEER_LOST = 75
 EXIT_SIDECAR_LOST = 76
 EXIT_STALLED = 77
+PEER_GRACE_S = 3.0  # a failed vLLM waits this long for a peer stage's heartbeat to close before it blames itself
 
 
 class Heartbeat:
@@ -47,6 +48,14 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def wait_lost(self, timeout: float) -> str | None:
+        """Why a peer is gone, waiting up to `timeout` for one to go (a peer's launcher closes its heartbeat
+        once its own vLLM's processes are down)."""
+        end = time.monotonic() + timeout
+        while self.lost is None and time.monotonic() < end:
+            time.sleep(0.1)
+        return self.lost
 
     def _serve(self) -> None:
         srv = socket.create_server(("", self.port), reuse_port=False)
@@ -415,6 +424,11 @@ def run_supervised(argv: list[str], env: dict[str, str] | None, heartbeat: Heart
                 elif oom_killed() > ooms:
                     _stopping(f"vLLM exited with code {code}: a process was killed by the kernel's OOM "
                               "killer (the pod's memory limit is too small for this stage)")
+                elif heartbeat and heartbeat.wait_lost(PEER_GRACE_S):
+                    # vLLM failed because another stage went (its engine start or a step lost the peer): that
+                    # stage's own error is the replica's cause, not this one (the operator reads the exit code)
+                    _stopping(f"peer lost ({heartbeat.lost}); vLLM exited with code {code}: {tail.error_line()}")
+                    return EXIT_PEER_LOST
                 else:
                     _stopping(f"vLLM exited with code {code}: {tail.error_line()}")
                 return code

@@ -545,3 +545,9 @@ def test_the_cause_of_a_replica_failure_is_a_stages_own_error_not_the_peer_lost_
     other_replica = failed_pod("gpu", 1, 0, "vLLM exited with code 1: RuntimeError: boom")
     assert group_restart.replica_cause(peer, [own, peer, other_replica]).endswith("does not fit: 16 layers need 9.1 GiB")
     assert group_restart.replica_cause(peer, [peer]).startswith("peer lost")  # nothing better known
+    # two stages' own errors: the one that ended first is the cause (the other's engine lost it as it started)
+    first = failed_pod("cpu", 0, 1, "vLLM exited with code -9: killed by the kernel's OOM killer",
+                       finished="2026-01-01T00:00:50Z")
+    then = failed_pod("gpu", 0, 0, "vLLM exited with code 1: RuntimeError: Engine core initialization failed")
+    assert "OOM" in group_restart.replica_cause(then, [then, first])
+    assert "OOM" in group_restart.replica_cause(first, [then, first])

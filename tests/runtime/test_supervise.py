@@ -102,3 +102,26 @@ def test_child_failure_is_the_exit_code():
     port = free_port()
     head = launcher(0, port, [sys.executable, "-c", "import sys; sys.exit(3)"])
     assert head.wait(20) == 3
+
+
+def test_a_stage_failing_because_its_peer_failed_says_peer_lost():
+    """The tail's vLLM dies on its own (code 3); the head's fails a moment later because of it (code 1, as an
+    engine whose peer went). The tail keeps its own code, the head reports peer lost: the operator names the
+    tail's error as the replica's cause."""
+    port = free_port()
+    flag = f"/tmp/hybrid-peer-failed-{port}"
+    tail_child = [sys.executable, "-c", f"import time; time.sleep(4); open({flag!r}, 'w').close(); raise SystemExit(3)"]
+    head_child = [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.05)\n"
+                  "time.sleep(0.2); raise SystemExit(1)"]
+    head, peer = launcher(0, port, head_child), launcher(1, port, tail_child)
+    try:
+        wait_connected(head)
+        assert peer.wait(30) == 3
+        assert head.wait(30) == 75
+        assert "peer lost (stage 1 closed its heartbeat); vLLM exited with code 1" in head.stderr.read()
+    finally:
+        for p in (head, peer):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        if os.path.exists(flag):
+            os.unlink(flag)
