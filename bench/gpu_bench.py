@@ -303,8 +303,8 @@ def planned_stages(strategy: str) -> list[dict]:
     cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
     stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
               {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{gpu_mib}Mi"}]
-    # offload and coprocessor compute every layer on the GPU stage, which serves the API: stage 0
-    return stages[::-1] if strategy in ("offload", "coprocessor") else stages
+    # offload, coprocessor and experts compute every layer on the GPU stage, which serves the API: stage 0
+    return stages[::-1] if strategy in ("offload", "coprocessor", "experts") else stages
 
 
 def planned_split(strategy: str, **expected):
@@ -339,9 +339,10 @@ STREAMED_CAPTURE = [f"--max-cudagraph-capture-size={max(CONCURRENCY)}"]
 
 def run_planned(model, strategy: str, **env):
     """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU)."""
-    streams = strategy in ("offload", "coprocessor")
+    streams = strategy in ("offload", "coprocessor", "experts")
     return run_pipeline(model, streams, strategy, f"planned-{strategy}", stages=planned_stages(strategy),
-                        plan_extra={"extra_args": STREAMED_CAPTURE} if streams else None, **env)
+                        plan_extra={"extra_args": STREAMED_CAPTURE} if strategy in ("offload", "coprocessor") else None,
+                        **env)
 
 
 def run_planned_prefetch_plain(model):
@@ -378,6 +379,7 @@ CONFIGS = {
     "p-offload": lambda m: run_planned(m, "offload"),
     "p-balanced": lambda m: run_planned(m, "balanced"),  # 4 KiB pages: huge pages for 80 GB need a node set up for them
     "p-coproc": lambda m: run_planned(m, "coprocessor"),
+    "p-experts": lambda m: run_planned(m, "experts"),  # the record caps CUDA graphs at its decode steps (64)
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,
 }

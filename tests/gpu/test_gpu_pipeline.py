@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,37 @@ def test_coprocessor_identity(tiny, graphs):
                                               "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
     assert "Offloader set to PrefetchOffloader" in gpu_log
     assert split.startswith("12 products of 3 streamed layers"), split
+    assert got == ref
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_experts_identity(tmp_path_factory, graphs):
+    """strategy experts: the GPU stage runs every layer of a Mixtral (4 experts, 2 routed) with one expert per
+    layer; the other 3 live in the CPU stage's region and its expert server computes them for the tokens routed
+    there (memops; captured in CUDA graphs with `graphs`); the long prompt's step computes them on the GPU from
+    the region. Greedy tokens equal single-process vLLM on the GPU."""
+    moe = make_tiny_llama(tmp_path_factory.mktemp("moe") / "tiny-mixtral", layers=4, dtype="float32", experts=4)
+    gpu_env = {**GPU_ENV, "TRITON_F32_DEFAULT": "ieee"}  # float32 Triton MoE as IEEE, as the reference (see above)
+    prompts = [*PROMPTS, long_prompt(moe)]
+    ref = [r["ids"] for r in reference(moe, prompts, MAX_TOKENS, env=gpu_env, gpu_memory_utilization=0.3)]
+    name = f"f32-experts-{'graphs' if graphs else 'eager'}"
+    plan = {"model": str(moe), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
+            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
+            **local_ports()}
+    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"], gpu_env=gpu_env)) as pipe:
+        ready = pipe.wait_ready()
+        got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})["choices"][0]["token_ids"]
+               for p in prompts]
+        metrics = urllib.request.urlopen(pipe.metrics_url(1), timeout=10).read().decode()
+    gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
+    served = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("hybrid_experts_")}
+    RESULTS[f"float32_experts_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "served": served,
+                                          "gpu": [ln for ln in gpu_log.splitlines() if "experts:" in ln][-3:]}
+    assert served.get("hybrid_experts_steps", 0) > 0, served
     assert got == ref
 
 
