@@ -25,10 +25,7 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -36,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hostmem
+from .cpu_server import RegionClient, serve_one_session
 
 log = logging.getLogger("vllm_hybrid.coproc")
 ALIGN = 16          # n0 is whole 16-row blocks (the request word stores n0 / ALIGN)
@@ -211,24 +209,9 @@ def serve_metrics(port: int, served: Served) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vllm_hybrid.coproc", description="strategy coprocessor: the CPU pod's product server")
-    p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
-    p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here (the pod's probes check it)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s coproc %(levelname)s %(message)s")
     served = Served()
-    if args.metrics_port:
-        serve_metrics(args.metrics_port, served)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(args.socket)
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(args.socket)
-    srv.listen(1)
-    log.info("listening on %s (threads %d)", args.socket, torch.get_num_threads())
-    conn, _ = srv.accept()
-    with conn:
-        handle(conn, args.pages, served)
+    serve_one_session("coproc", "strategy coprocessor: the CPU pod's product server", argv,
+                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served))
     log.info("the GPU stage closed the connection after %d products", served.products)
     return 0
 
@@ -264,58 +247,24 @@ class Product:
     n0_fixed: int
 
 
-class Client:
+class Client(RegionClient):
     """The GPU worker's session with its CPU pod: the weights region it loads into, the io region, the split."""
+    server = "strategy coprocessor: the product server"
 
     def __init__(self, shares: str | None = None):
+        super().__init__()
         self.shares = parse_shares(shares or DEFAULT_SHARES)
         self.max_rows = self.shares[-1][0]
         self.rows = MAX_ROWS + 1  # the current step's tokens (set by every split product; larger: stream all)
         self.products: list[Product] = []
         self.gpu: GpuSide | None = None
-        self.used = 0
-
-    def connect(self, path: str, timeout: float = 900.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                self.sock.connect(path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > end:
-                    raise RuntimeError(f"strategy coprocessor: no product server at {path} after {timeout:.0f} s "
-                                       "(is the cpu stage running, and does it share /dev/shm with this pod?)") from None
-                time.sleep(0.5)
-
-    def _ask_region(self, msg: dict) -> tuple[dict, object, int]:
-        """Send `msg`; map the region whose descriptor comes with the reply."""
-        from .gemm_split import recv_msg, send_msg
-        send_msg(self.sock, msg)
-        reply = recv_msg(self.sock, max_fds=1)
-        (fd,) = reply["fds"]
-        try:
-            return (reply, *hostmem.open_fd(fd))
-        finally:
-            os.close(fd)  # the mapping keeps the region
 
     def open_weights(self, nbytes: int) -> str:
-        from . import memops
-        reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
-        self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
-        memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: the copy stream DMAs from it
-        return reply["describe"]
+        return super().open_weights(nbytes, page_lock=True)  # the copy stream DMAs from it
 
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
         """Room in the region for a tensor like `like` (contiguous, 4 KiB aligned); None when it is full."""
-        if not like.is_contiguous():
-            return None
-        start = hostmem.round_up(self.used, 4096)
-        nbytes = like.numel() * like.element_size()
-        if start + nbytes > self.wbytes:
-            return None
-        self.used = start + nbytes
-        return self.flat[start:start + nbytes].view(like.dtype).view(like.shape)
+        return self.room(like) if like.is_contiguous() else None
 
     def holds(self, t: torch.Tensor) -> bool:
         base = self.flat.data_ptr()

@@ -22,8 +22,6 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import logging
 import os
 import socket
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 
 from . import hostmem
 from .coproc import _closed
+from .cpu_server import RegionClient, serve_one_session
 from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
     BYTES_ENV,
     DEFAULT_MAX_ROWS,
@@ -240,24 +239,9 @@ def serve_metrics(port: int, served: Served) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vllm_hybrid.experts", description="strategy experts: the CPU pod's expert server")
-    p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
-    p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here (the pod's probes check it)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s experts %(levelname)s %(message)s")
     served = Served()
-    if args.metrics_port:
-        serve_metrics(args.metrics_port, served)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(args.socket)
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(args.socket)
-    srv.listen(1)
-    log.info("listening on %s (threads %d)", args.socket, torch.get_num_threads())
-    conn, _ = srv.accept()
-    with conn:
-        handle(conn, args.pages, served)
+    serve_one_session("experts", "strategy experts: the CPU pod's expert server", argv,
+                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served))
     log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens)",
              served.steps, served.expert_reads, served.expert_tokens)
     return 0
@@ -320,47 +304,20 @@ class Held:
     weights: list[tuple[torch.Tensor, torch.Tensor]]  # (w13, w2) in the region, per remote expert
 
 
-class Client:
+class Client(RegionClient):
     """The main stage's session with its CPU pod: the region its loader fills, the manifest, the hand-over."""
+    server = "strategy experts: the expert server"
 
     def __init__(self, remote: dict[int, list[int]], max_rows: int = DEFAULT_MAX_ROWS, device: str = "cpu"):
+        super().__init__()
         self.remote, self.max_rows, self.device = remote, max_rows, device
         self.layers: dict[int, Held] = {}
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None
-        self.used = 0
         self.dtype = self.top_k = self.hidden = None
 
-    def connect(self, path: str, timeout: float = 900.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                self.sock.connect(path)
-                return
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > end:
-                    raise RuntimeError(f"strategy experts: no expert server at {path} after {timeout:.0f} s "
-                                       "(is the cpu stage running, and does it share /dev/shm with this pod?)") from None
-                time.sleep(0.5)
-
-    def _ask_region(self, msg: dict) -> tuple[dict, object, int]:
-        from .gemm_split import recv_msg, send_msg
-        send_msg(self.sock, msg)
-        reply = recv_msg(self.sock, max_fds=1)
-        (fd,) = reply["fds"]
-        try:
-            return (reply, *hostmem.open_fd(fd))
-        finally:
-            os.close(fd)  # the mapping keeps the region
-
     def open_weights(self, nbytes: int) -> str:
-        reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
-        self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
-        if self.device == "cuda":
-            from . import memops
-            memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: large steps copy from it
-        return reply["describe"]
+        return super().open_weights(nbytes, page_lock=self.device == "cuda")  # large steps copy from it
 
     @staticmethod
     def region_bytes(count: int, w13_shape, w2_shape, dtype: torch.dtype) -> int:
@@ -369,14 +326,10 @@ class Client:
         return count * one
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
-        """Room in the region for a tensor like `like` (4 KiB aligned)."""
-        start = hostmem.round_up(self.used, 4096)
-        nbytes = like.numel() * like.element_size()
-        if start + nbytes > self.wbytes:
+        if (room := self.room(like)) is None:
             raise RuntimeError(f"strategy experts: the remote experts need more than the {self.wbytes} bytes "
                                f"of the region ({BYTES_ENV})")
-        self.used = start + nbytes
-        return self.flat[start:start + nbytes].view(like.dtype).view(like.shape)
+        return room
 
     def hold(self, layer: int, w13_shape, w2_shape, dtype: torch.dtype, top_k: int) -> Held:
         """Region storage for layer's remote experts (the loader writes them in place)."""

@@ -31,6 +31,19 @@ def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str)
     return env
 
 
+def cpu_pod_server(plan: Plan, lay: Layout, ident, env: dict[str, str], module: str, role: str) -> Server | None:
+    """A cpu stage's server (python -m vllm_hybrid.<module>) for the gpu stage lay.servers pairs it with, on the
+    socket shm_socket names by `module`; None on any other stage."""
+    served = dict(lay.servers)
+    if ident.stage not in served:
+        return None
+    sock, name = shm_socket(env, ident.replica, ident.stage, module), plan.stages[ident.stage].name
+    port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
+    return Server(argv=("-m", f"vllm_hybrid.{module}", "--socket", sock, "--metrics-port", str(port)),
+                  summary={"role": role, "for_stage": served[ident.stage], "socket": sock},
+                  env=lambda binding, base: server_env(binding, base, ident.stage, name))
+
+
 class Coprocessor(Strategy):
     name = "coprocessor"
     gpu_buffer_layers = COPROC_PREFETCH_STEP
@@ -70,14 +83,7 @@ class Coprocessor(Strategy):
                            expect_offloader=OFFLOADERS["prefetch"], summary=(("coprocessor", sock),))
 
     def server(self, plan, lay, ident, env) -> Server | None:
-        served = dict(lay.servers)
-        if ident.stage not in served:
-            return None
-        sock, name = coproc_socket(env, ident.replica, ident.stage), plan.stages[ident.stage].name
-        port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
-        return Server(argv=("-m", "vllm_hybrid.coproc", "--socket", sock, "--metrics-port", str(port)),
-                      summary={"role": "coprocessor", "for_stage": served[ident.stage], "socket": sock},
-                      env=lambda binding, base: server_env(binding, base, ident.stage, name))
+        return cpu_pod_server(plan, lay, ident, env, "coproc", "coprocessor")
 
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
         streamed, shape, c = lay.offload_bytes[k], split.shape, work.concurrency

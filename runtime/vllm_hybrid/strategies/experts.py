@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..plan import Plan, PlanError
 from ..planner import ModelShape, Split, stage_budget
 from .base import SHARED_SHM, Layout, Server, StageExtras, Strategy, shm_socket
-from .coprocessor import server_env
+from .coprocessor import cpu_pod_server
 from .cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
 from .offload import prefetch_cost
 
@@ -138,14 +138,7 @@ class Experts(Strategy):
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote)))))
 
     def server(self, plan, lay, ident, env) -> Server | None:
-        served = dict(lay.servers)
-        if ident.stage not in served:
-            return None
-        sock, name = experts_socket(env, ident.replica, ident.stage), plan.stages[ident.stage].name
-        port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
-        return Server(argv=("-m", "vllm_hybrid.experts", "--socket", sock, "--metrics-port", str(port)),
-                      summary={"role": "experts", "for_stage": served[ident.stage], "socket": sock},
-                      env=lambda binding, base: server_env(binding, base, ident.stage, name))
+        return cpu_pod_server(plan, lay, ident, env, "experts", "experts")
 
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
         """bench/bounds.py's terms: a decode step reads the cpu experts its tokens route to from DRAM (the gpu's

@@ -1,0 +1,87 @@
+"""A CPU pod's server and the main stage's session with it (strategies coprocessor and experts): the server
+listens in the replica's shared /dev/shm and serves one main stage; the client asks it for regions (each reply
+carries the region's descriptor) and carves the weights region into tensors the loader fills in place."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+
+from . import hostmem
+
+
+class RegionClient:
+    server = "the server"  # what errors call it ("strategy coprocessor: the product server")
+
+    def __init__(self):
+        self.used = 0
+
+    def connect(self, path: str, timeout: float = 900.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                self.sock.connect(path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > end:
+                    raise RuntimeError(f"{self.server} at {path} not there after {timeout:.0f} s (is the cpu stage "
+                                       "running, and does it share /dev/shm with this pod?)") from None
+                time.sleep(0.5)
+
+    def _ask_region(self, msg: dict) -> tuple[dict, object, int]:
+        """Send `msg`; map the region whose descriptor comes with the reply."""
+        from .gemm_split import recv_msg, send_msg
+        send_msg(self.sock, msg)
+        reply = recv_msg(self.sock, max_fds=1)
+        (fd,) = reply["fds"]
+        try:
+            return (reply, *hostmem.open_fd(fd))
+        finally:
+            os.close(fd)  # the mapping keeps the region
+
+    def open_weights(self, nbytes: int, page_lock: bool = True) -> str:
+        reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
+        self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
+        if page_lock:
+            from . import memops
+            memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: copies DMA from it
+        return reply["describe"]
+
+    def room(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Room in the weights region for a tensor like `like` (4 KiB aligned); None when it is full."""
+        start = hostmem.round_up(self.used, 4096)
+        nbytes = like.numel() * like.element_size()
+        if start + nbytes > self.wbytes:
+            return None
+        self.used = start + nbytes
+        return self.flat[start:start + nbytes].view(like.dtype).view(like.shape)
+
+
+def serve_one_session(prog: str, description: str, argv: list[str] | None,
+                      handle: Callable[[socket.socket, str | None], object],
+                      serve_metrics: Callable[[int], None]) -> None:
+    """The server's command line: metrics, then one main stage's session (`handle`) until it closes."""
+    p = argparse.ArgumentParser(prog=f"vllm_hybrid.{prog}", description=description)
+    p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
+    p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here (the pod's probes check it)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog} %(levelname)s %(message)s")
+    if args.metrics_port:
+        serve_metrics(args.metrics_port)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(args.socket)
+    srv.listen(1)
+    logging.getLogger(f"vllm_hybrid.{prog}").info("listening on %s (threads %d)", args.socket, torch.get_num_threads())
+    conn, _ = srv.accept()
+    with conn:
+        handle(conn, args.pages)
