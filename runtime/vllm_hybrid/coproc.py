@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hostmem
-from .cpu_server import RegionClient, serve_one_session
+from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 
 log = logging.getLogger("vllm_hybrid.coproc")
 ALIGN = 16          # n0 is whole 16-row blocks (the request word stores n0 / ALIGN)
@@ -118,14 +117,7 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
     Returns the number of products served once `stop()` turns true (asked while idle)."""
     words = io.words
     served = served or Served()
-    while True:
-        spins, since = 0, time.monotonic()
-        while (word := int(words[REQ])) == 0:
-            spins += 1
-            if spins % 4096 == 0 and time.monotonic() - since > idle_check:
-                if stop():
-                    return served.products
-                since = time.monotonic()
+    while word := wait_request(words, stop, idle_check):
         t0 = time.perf_counter()
         words[REQ] = 0
         j = int(words[PRODUCT])
@@ -136,6 +128,7 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served.products += 1
         served.busy_s += time.perf_counter() - t0
+    return served.products
 
 
 class GpuSide:
@@ -164,33 +157,16 @@ class GpuSide:
 
 # --- the CPU pod's server --------------------------------------------------------------------------
 
-def _closed(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
     """One GPU stage's session: regions, manifest, then products until the connection closes."""
-    from .gemm_split import recv_msg, send_msg
-    first = recv_msg(conn)
-    weights = hostmem.allocate("hybrid-coproc-weights", int(first["weights_bytes"]), pages)
-    send_msg(conn, {"page": weights.page_size, "describe": weights.describe()}, [weights.fd])
-    log.info("weights region: %s", weights.describe())
-    manifest = recv_msg(conn)
+    flat, manifest = weights_and_manifest(conn, "hybrid-coproc", pages)
     dtype = getattr(torch, manifest["dtype"])
-    flat = torch.frombuffer(weights.map, dtype=torch.uint8)
     ws = [flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
     layout = IoLayout.for_shapes([(n, k) for _, n, k in manifest["products"]], manifest["max_rows"], dtype.itemsize)
-    io_region = hostmem.allocate("hybrid-coproc-io", layout.nbytes, "shmem")
-    io = IoViews(torch.frombuffer(io_region.map, dtype=torch.uint8), layout, dtype)
-    send_msg(conn, {"threads": torch.get_num_threads()}, [io_region.fd])
+    io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes), layout, dtype)
     log.info("serving %d products (%.2f GB) on %d threads", len(ws), sum(w.numel() for w in ws) * dtype.itemsize / 1e9,
              torch.get_num_threads())
-    return serve(ws, io, stop=lambda: _closed(conn), served=served)
+    return serve(ws, io, stop=lambda: closed(conn), served=served)
 
 
 def serve_metrics(port: int, served: Served) -> None:

@@ -15,6 +15,55 @@ import torch
 
 from . import hostmem
 
+log = logging.getLogger("vllm_hybrid.cpu_server")
+
+
+# --- the server's side -----------------------------------------------------------------------------
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the peer closed the connection (never blocks)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def wait_request(words, stop: Callable[[], bool], idle_check: float = 0.5) -> int:
+    """Spin on the request word (words[0]) until it is non-zero; 0 once `stop()` turns true (asked while idle)."""
+    spins, since = 0, time.monotonic()
+    while (word := int(words[0])) == 0:
+        spins += 1
+        if spins % 4096 == 0 and time.monotonic() - since > idle_check:
+            if stop():
+                return 0
+            since = time.monotonic()
+    return word
+
+
+def weights_and_manifest(conn: socket.socket, name: str, pages: str | None) -> tuple[torch.Tensor, dict]:
+    """A session's start: the weights region the main stage asks for (its fd sent back), then the manifest that
+    says where the weights lie in it. The region as a flat uint8 tensor, and the manifest."""
+    from .gemm_split import recv_msg, send_msg
+    first = recv_msg(conn)
+    weights = hostmem.allocate(f"{name}-weights", int(first["weights_bytes"]), pages)
+    send_msg(conn, {"page": weights.page_size, "describe": weights.describe()}, [weights.fd])
+    log.info("weights region: %s", weights.describe())
+    manifest = recv_msg(conn)
+    return torch.frombuffer(weights.map, dtype=torch.uint8), manifest
+
+
+def io_region(conn: socket.socket, name: str, nbytes: int) -> torch.Tensor:
+    """The io region (flags and buffers), its fd and this server's thread count sent to the main stage."""
+    from .gemm_split import send_msg
+    region = hostmem.allocate(f"{name}-io", nbytes, "shmem")
+    send_msg(conn, {"threads": torch.get_num_threads()}, [region.fd])
+    return torch.frombuffer(region.map, dtype=torch.uint8)
+
+
+# --- the main stage's side -------------------------------------------------------------------------
+
 
 class RegionClient:
     server = "the server"  # what errors call it ("strategy coprocessor: the product server")

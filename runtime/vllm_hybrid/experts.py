@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hostmem
-from .coproc import _closed
-from .cpu_server import RegionClient, serve_one_session
+from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
     BYTES_ENV,
     DEFAULT_MAX_ROWS,
@@ -177,14 +176,7 @@ def serve(layers: Layers, io: IoViews, stop=lambda: False, idle_check: float = 0
     Returns the number of steps served once `stop()` turns true (asked while idle)."""
     words = io.words
     served = served or Served()
-    while True:
-        spins, since = 0, time.monotonic()
-        while (rows := int(words[REQ])) == 0:
-            spins += 1
-            if spins % 4096 == 0 and time.monotonic() - since > idle_check:
-                if stop():
-                    return served.steps
-                since = time.monotonic()
+    while rows := wait_request(words, stop, idle_check):
         t0 = time.perf_counter()
         words[REQ] = 0
         layer = int(words[LAYER])
@@ -194,30 +186,23 @@ def serve(layers: Layers, io: IoViews, stop=lambda: False, idle_check: float = 0
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served.steps += 1
         served.busy_s += time.perf_counter() - t0
+    return served.steps
 
 
 def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
     """One main stage's session: regions, manifest, then steps until the connection closes."""
-    from .gemm_split import recv_msg, send_msg
-    first = recv_msg(conn)
-    weights = hostmem.allocate("hybrid-experts-weights", int(first["weights_bytes"]), pages)
-    send_msg(conn, {"page": weights.page_size, "describe": weights.describe()}, [weights.fd])
-    log.info("weights region: %s", weights.describe())
-    manifest = recv_msg(conn)
+    flat, manifest = weights_and_manifest(conn, "hybrid-experts", pages)
     dtype = getattr(torch, manifest["dtype"])
-    flat = torch.frombuffer(weights.map, dtype=torch.uint8)
     view = lambda off, n, k: flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k)
     layers: Layers = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"]))
                                                                      for e in m["experts"]])
                       for m in manifest["layers"]}
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
-    io_region = hostmem.allocate("hybrid-experts-io", layout.nbytes, "shmem")
-    io = IoViews(torch.frombuffer(io_region.map, dtype=torch.uint8), layout, dtype)
-    send_msg(conn, {"threads": torch.get_num_threads()}, [io_region.fd])
+    io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes), layout, dtype)
     nbytes = sum(w.numel() * w.element_size() for _, ws in layers.values() for pair in ws for w in pair)
     log.info("serving %d experts of %d layers (%.2f GB) on %d threads", sum(len(i) for i, _ in layers.values()),
              len(layers), nbytes / 1e9, torch.get_num_threads())
-    return serve(layers, io, stop=lambda: _closed(conn), served=served)
+    return serve(layers, io, stop=lambda: closed(conn), served=served)
 
 
 def serve_metrics(port: int, served: Served) -> None:
@@ -360,7 +345,7 @@ class Client(RegionClient):
             memops.register(raw.data_ptr(), nbytes)
             self.side = GpuSide(io)
         else:
-            self.side = CpuSide(io, alive=lambda: not _closed(self.sock))
+            self.side = CpuSide(io, alive=lambda: not closed(self.sock))
         return reply["threads"]
 
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -373,15 +358,13 @@ class Client(RegionClient):
 
     def moe_remote(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """y: the weighted sum of layer's remote experts over x's tokens (the main stage adds it to its own)."""
-        rows = x.shape[0]
-        if not 0 < rows <= self.max_rows:
-            return self.nearby(layer, x, topk_ids, topk_weights)
-        self.side.submit(layer, x, topk_ids, topk_weights)
-        return self.side.collect(layer, rows)
+        return self.moe(layer, x, topk_weights, topk_ids, local=lambda *_: 0)
 
-    def moe(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The whole layer: the CPU pod computes the remote experts while the main stage computes its own."""
-        rows, local = x.shape[0], self.local[layer]
+    def moe(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            local: Callable | None = None) -> torch.Tensor:
+        """The whole layer: the CPU pod computes the remote experts while the main stage computes its own (`local`,
+        default the layer's: f(x, topk_weights, topk_ids))."""
+        rows, local = x.shape[0], local or self.local[layer]
         if self.side is None:
             raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
                                "BaseModelLoader.load_model?)")
