@@ -10,7 +10,7 @@ BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s do
 EXIT_PEER_LOST = 75  # the runtime's exit code when another stage of its replica went away (supervise.py)
 
 
-def _last_failure(pod: dict[str, Any]) -> tuple[int, str, str] | None:
+def last_failure(pod: dict[str, Any]) -> tuple[int, str, str] | None:
     """(exit code, last line of the termination message, when it ended) of the pod's latest failed run."""
     for cs in pod.get("status", {}).get("containerStatuses", []):
         for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated")):
@@ -25,20 +25,27 @@ def _last_failure(pod: dict[str, Any]) -> tuple[int, str, str] | None:
 def termination_line(pod: dict[str, Any]) -> str | None:
     """The stage's own last words: its container's termination message (the launcher's one-line cause, or
     the log tail the kubelet keeps under FallbackToLogsOnError), last line, with the exit code or reason."""
-    failure = _last_failure(pod)
+    failure = last_failure(pod)
     return failure[1] if failure else None
 
 
-def replica_cause(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> str | None:
-    """Why replica i failed: a stage's own error rather than another stage's "peer lost" that followed it."""
+def replica_cause(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """(exit code, line): why replica i failed: a stage's own error rather than another stage's "peer lost"
+    that followed it."""
     def instance(pod):
         return (pod["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
     mine = [trigger] + [p for p in pods if instance(p) == instance(trigger) and pod_index(p) == pod_index(trigger)
                         and p["metadata"]["name"] != trigger["metadata"]["name"]]
-    failures = [f for f in map(_last_failure, mine) if f]
+    failures = [f for f in map(last_failure, mine) if f]
     # the stage that failed first (RFC 3339 seconds sort as text; ties: the trigger): the others followed it
     own = sorted((f for f in failures if f[0] != EXIT_PEER_LOST), key=lambda f: f[2] or "~")
-    return ([line for _, line, _ in own] or [line for _, line, _ in failures] or [None])[0]
+    return next(((code, line) for code, line, _ in own + failures), None)
+
+
+def improves(entry: dict[str, Any] | None, code: int) -> bool:
+    """Whether a failure with this exit code says more than the recorded one: a stage's own error beats a
+    follower's "peer lost" (a group restart's victim can end with its own cause after the restart was recorded)."""
+    return entry is not None and (code != EXIT_PEER_LOST or entry.get("exitCode", EXIT_PEER_LOST) == EXIT_PEER_LOST)
 
 
 def restart_reason(pod: dict[str, Any]) -> str | None:
@@ -65,13 +72,15 @@ def failure_of(failures: list[dict[str, Any]], replica: int) -> dict[str, Any] |
 
 
 def record_failure(failures: list[dict[str, Any]], replica: int, pod: str, message: str, now: str,
-                   generation: int | None) -> list[dict[str, Any]]:
+                   generation: int | None, code: int | None = None) -> list[dict[str, Any]]:
     """status.failures after a failure-driven group restart of `replica` (cleared once it is ready);
     a changed spec (generation) starts the count again."""
     last = failure_of(failures, replica)
     count = last["restarts"] if last and last.get("generation") == generation else 0
     entry = {"replica": replica, "restarts": count + 1, "pod": pod, "message": message[:1000],
              "lastRestart": now, "generation": generation}
+    if code is not None:
+        entry["exitCode"] = code
     return sorted([f for f in failures if f.get("replica") != replica] + [entry], key=lambda f: f["replica"])
 
 

@@ -110,6 +110,9 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
     if not instance:
         return []
     ns = meta["namespace"]
+    if names.GROUP_RESTART in (meta.get("annotations") or {}) and (event_type == "DELETED" or meta.get("deletionTimestamp")):
+        await record_victim_cause(api, pod)
+        return []
     if event_type != "DELETED" and group_restart.restart_reason(pod) is None:
         return []  # the common case: a status update of a healthy pod; no API calls
     body = await api.get(path_for(API_VERSION, "HybridInference", ns, instance))
@@ -127,8 +130,10 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         last = None  # the spec changed since: a fix gets its chance at once
     if doomed and last and seconds_since(last["lastRestart"]) < group_restart.backoff_s(last["restarts"]):
         # backing off: the periodic resync restarts it once the wait is over; status has the latest cause
-        if (why := group_restart.replica_cause(pod, pods)) and why != last.get("message"):
-            await _write_failures(api, ns, instance, [dict(f, message=why[:1000]) if f is last else f for f in failures])
+        cause = group_restart.replica_cause(pod, pods)
+        if cause and cause[1] != last.get("message") and group_restart.improves(last, cause[0]):
+            await _write_failures(api, ns, instance, [dict(f, exitCode=cause[0], message=cause[1][:1000])
+                                                      if f is last else f for f in failures])
         return []
     deleted = []
     for name in doomed:  # marked first, so their own DELETED events start no second group restart
@@ -145,10 +150,30 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         await record_event(api, body, "Warning", "GroupRestart",
                            f"replica {index}: {reason}; deleted {', '.join(deleted)} so the pipeline re-forms")
         if event_type != "DELETED":
-            why = group_restart.replica_cause(pod, pods) or reason
+            code, why = group_restart.replica_cause(pod, pods) or (None, reason)
             await _write_failures(api, ns, instance, group_restart.record_failure(
-                failures, index, meta["name"], why, utcnow(), body["metadata"].get("generation")))
+                failures, index, meta["name"], why, utcnow(), body["metadata"].get("generation"), code))
     return deleted
+
+
+async def record_victim_cause(api: KubeApi, pod: dict[str, Any]) -> None:
+    """A pod a group restart removed ends after the restart was recorded, maybe with its own cause (the
+    launcher's OOM line, exit 137) where the stage that triggered the restart only said "peer lost"."""
+    failure = group_restart.last_failure(pod)
+    if failure is None:
+        return
+    meta = pod["metadata"]
+    ns, instance = meta["namespace"], meta["labels"][names.INSTANCE_LABEL]
+    body = await api.get(path_for(API_VERSION, "HybridInference", ns, instance))
+    if body is None:
+        return
+    failures = (body.get("status") or {}).get("failures", [])
+    entry = group_restart.failure_of(failures, group_restart.pod_index(pod))
+    if (entry is None or entry.get("generation") != body["metadata"].get("generation")
+            or entry.get("exitCode") != group_restart.EXIT_PEER_LOST or failure[0] == group_restart.EXIT_PEER_LOST):
+        return
+    await _write_failures(api, ns, instance, [dict(f, pod=meta["name"], exitCode=failure[0], message=failure[1][:1000])
+                                              if f is entry else f for f in failures])
 
 
 async def _write_failures(api: KubeApi, ns: str, instance: str, failures: list[dict[str, Any]]) -> None:

@@ -30,6 +30,7 @@ TERM_GRACE_S = 15.0          # SIGTERM -> SIGKILL for the vLLM process group
 EXIT_PEER_LOST = 75
 EXIT_SIDECAR_LOST = 76
 EXIT_STALLED = 77
+EXIT_OOM = 137  # as a container the kernel OOM-killed: 128 + SIGKILL
 PEER_GRACE_S = 3.0  # a failed vLLM waits this long for a peer stage's heartbeat to close before it blames itself
 
 
@@ -103,6 +104,8 @@ class Heartbeat:
                         conn.send(b".")
                     except OSError:
                         pass
+        for conn in list(last_seen):  # stopped: the peers learn it now, not when this process exits
+            self._drop(sel, conn, last_seen, buf)
         srv.close()
 
     @staticmethod
@@ -351,6 +354,10 @@ def unreadable_note(line: str, readable=lambda path: os.access(path, os.R_OK)) -
     return line
 
 
+OOM_LINE = ("a process was killed by the kernel's OOM killer (the pod's memory limit is too small for this "
+            "stage)")
+
+
 def oom_killed() -> int:
     """OOM kills in this container's memory cgroup so far (cgroup v2 memory.events, v1 memory.oom_control)."""
     for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
@@ -417,13 +424,18 @@ def run_supervised(argv: list[str], env: dict[str, str] | None, heartbeat: Heart
                 next_scan = time.monotonic() + 2
                 janitor.record(process_tree(proc.pid))
             code = proc.poll()
+            if oom_killed() > ooms:
+                # the kernel killed one of vLLM's processes (a worker, at load): this stage's own cause, said before
+                # its peers fail on the lost worker and before a group restart's SIGTERM could hide it
+                _stopping(f"vLLM {'is running' if code is None else f'exited with code {code}'}: {OOM_LINE}")
+                if heartbeat:
+                    heartbeat.stop()  # the peers stop now, as followers ("peer lost")
+                terminate_group(proc, grace=5)
+                return EXIT_OOM
             if code is not None:
                 terminate_group(proc, grace=5)  # workers it left behind
                 if code == 0:
                     log.info("vLLM exited with code 0")
-                elif oom_killed() > ooms:
-                    _stopping(f"vLLM exited with code {code}: a process was killed by the kernel's OOM "
-                              "killer (the pod's memory limit is too small for this stage)")
                 elif heartbeat and heartbeat.wait_lost(PEER_GRACE_S):
                     # vLLM failed because another stage went (its engine start or a step lost the peer): that
                     # stage's own error is the replica's cause, not this one (the operator reads the exit code)

@@ -241,7 +241,11 @@ def test_a_stage_that_cannot_start_says_why_and_a_fixed_spec_recovers(node, oper
     good = instance(ns, MODES["restricted"][1], {"hostPath": "/unused"})
     del good["spec"]["cache"]
     small = [dict(s, memory="3Gi") for s in good["spec"]["stages"]]
+    # the planner fits the stage into 4Gi; a KV cache of the user's own (vLLM's variable) overruns the limit
+    head, tail = good["spec"]["stages"]
+    greedy = [head, dict(tail, env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "8"}])]
     cases = [("plan does not fit", {"stages": small}, "does not fit"),
+             ("stage OOM-killed at load", {"stages": greedy}, "OOM"),
              ("model path missing", {"model": dict(good["spec"]["model"], path="no-such-model")}, "no-such-model"),
              ("weights unreadable", {"model": dict(good["spec"]["model"], path="unreadable",
                                                    volume={"claimName": "bad"})}, "unreadable")]

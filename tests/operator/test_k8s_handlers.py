@@ -543,11 +543,50 @@ def test_the_cause_of_a_replica_failure_is_a_stages_own_error_not_the_peer_lost_
     peer = failed_pod("cpu", 0, 1, "peer lost (stage 0 closed its heartbeat): stopping this stage")
     peer["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = group_restart.EXIT_PEER_LOST
     other_replica = failed_pod("gpu", 1, 0, "vLLM exited with code 1: RuntimeError: boom")
-    assert group_restart.replica_cause(peer, [own, peer, other_replica]).endswith("does not fit: 16 layers need 9.1 GiB")
-    assert group_restart.replica_cause(peer, [peer]).startswith("peer lost")  # nothing better known
+    assert group_restart.replica_cause(peer, [own, peer, other_replica])[1].endswith("does not fit: 16 layers need 9.1 GiB")
+    assert group_restart.replica_cause(peer, [peer]) == (75, peer["status"]["containerStatuses"][0]["lastState"][
+        "terminated"]["message"])  # nothing better known
     # two stages' own errors: the one that ended first is the cause (the other's engine lost it as it started)
     first = failed_pod("cpu", 0, 1, "vLLM exited with code -9: killed by the kernel's OOM killer",
                        finished="2026-01-01T00:00:50Z")
     then = failed_pod("gpu", 0, 0, "vLLM exited with code 1: RuntimeError: Engine core initialization failed")
-    assert "OOM" in group_restart.replica_cause(then, [then, first])
-    assert "OOM" in group_restart.replica_cause(first, [then, first])
+    assert "OOM" in group_restart.replica_cause(then, [then, first])[1]
+    assert "OOM" in group_restart.replica_cause(first, [then, first])[1]
+
+
+async def test_a_group_restart_victim_that_ends_with_its_own_cause_replaces_the_peer_lost_in_status(kmock, api):
+    """The tail's worker is OOM-killed at load; the head's engine fails on it and its stage says "peer lost"
+    (exit 75), which starts the group restart. The tail, terminating as its victim, ends with its own cause
+    (exit 137, the OOM line): status.failures names that instead."""
+    from hybrid_operator import group_restart
+    body = make_body()
+    put_instance(kmock, body)
+    head = failed_pod("gpu", 0, 0, "peer lost (stage 1 closed its heartbeat); vLLM exited with code 1: RuntimeError")
+    head["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = group_restart.EXIT_PEER_LOST
+    tail = pod("cpu", 0, 1)
+    for p in (head, tail):
+        kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+    assert await handle_pod_event(api, "MODIFIED", head) == ["llama-cpu-0", "llama-gpu-0"]
+    (failure,) = live(kmock, HI)["llama"]["status"]["failures"]
+    assert failure["exitCode"] == 75 and failure["message"].startswith("peer lost")
+
+    oom = "vLLM is running: a process was killed by the kernel's OOM killer (the pod's memory limit is too small)"
+    tail["metadata"].update(deletionTimestamp="2026-01-01T00:01:05Z", annotations={names.GROUP_RESTART: "restart"})
+    tail["status"]["containerStatuses"][0]["state"] = {"terminated": {
+        "exitCode": 137, "reason": "Error", "finishedAt": "2026-01-01T00:01:04Z", "message": oom + "\n"}}
+    peer_lost = dict(tail, status={"containerStatuses": [{"name": "stage", "restartCount": 0, "state": {"terminated": {
+        "exitCode": 75, "finishedAt": "2026-01-01T00:01:04Z", "message": "peer lost (stage 0 closed its heartbeat)"}}}]})
+    assert await handle_pod_event(api, "MODIFIED", peer_lost) == []  # a follower's words change nothing
+    assert live(kmock, HI)["llama"]["status"]["failures"][0]["message"].startswith("peer lost")
+    assert await handle_pod_event(api, "DELETED", tail) == []
+    (failure,) = live(kmock, HI)["llama"]["status"]["failures"]
+    assert failure["exitCode"] == 137 and failure["message"] == oom and failure["pod"] == "llama-cpu-0"
+    assert failure["restarts"] == 1  # the same failure, better told
+
+    # and a later "peer lost" of the same replica does not hide it again
+    head2 = failed_pod("gpu", 0, 0, "peer lost (stage 1 closed its heartbeat)", created="2026-01-01T00:02:00Z",
+                       finished="2026-01-01T00:03:00Z")
+    head2["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = group_restart.EXIT_PEER_LOST
+    kmock.objects["v1/pods", "ml", "llama-gpu-0"] = head2
+    assert await handle_pod_event(api, "MODIFIED", head2) == []  # backing off
+    assert live(kmock, HI)["llama"]["status"]["failures"][0]["message"] == oom

@@ -13,11 +13,15 @@ from vllm_hybrid.supervise import group_members, process_tree
 CHILD = [sys.executable, "-c", "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(600)']); time.sleep(600)"]
 
 
-def launcher(stage, port, child=CHILD):
+def launcher(stage, port, child=CHILD, oom_flag=None):
+    """A stage's launcher; with oom_flag, its container's OOM-kill count is 1 once that file exists."""
     code = textwrap.dedent(f"""
-        import logging, sys
+        import logging, os, sys
+        from vllm_hybrid import supervise
         from vllm_hybrid.supervise import Heartbeat, run_supervised
         logging.basicConfig(level=logging.INFO)
+        if {oom_flag!r}:
+            supervise.oom_killed = lambda: int(os.path.exists({oom_flag!r}))
         sys.exit(run_supervised({child!r}, None, Heartbeat({stage}, 2, "127.0.0.1", {port})))
     """)
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stderr=subprocess.PIPE, text=True)
@@ -125,3 +129,30 @@ def test_a_stage_failing_because_its_peer_failed_says_peer_lost():
                 os.killpg(p.pid, signal.SIGKILL)
         if os.path.exists(flag):
             os.unlink(flag)
+
+
+def test_an_oom_killed_worker_is_the_stage_s_own_cause_even_while_vllm_runs(tmp_path):
+    """The kernel kills the tail's worker at load; its vLLM process lives on, the head's engine fails on the lost
+    worker. The tail says OOM at once (exit 137, its heartbeat closed first) and the head follows as peer lost;
+    a SIGTERM from the group restart that follows does not hide the tail's cause."""
+    port, oom = free_port(), tmp_path / "oom"
+    head_child = [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(oom)!r}): time.sleep(0.05)\n"
+                  "time.sleep(0.5); raise SystemExit(1)"]
+    head, tail = launcher(0, port, head_child), launcher(1, port, oom_flag=str(oom))
+    try:
+        wait_connected(head)
+        deadline = time.monotonic() + 20
+        while len(process_tree(tail.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker = max(process_tree(tail.pid) - {tail.pid})  # the stand-in vLLM's grandchild (its worker)
+        os.kill(worker, signal.SIGKILL)
+        oom.touch()
+        tail.send_signal(signal.SIGTERM)  # the group restart's, as it comes at once
+        assert tail.wait(30) == 137
+        assert "vLLM is running: a process was killed by the kernel's OOM killer" in tail.stderr.read()
+        assert head.wait(30) == 75
+        assert "peer lost (stage 1 closed its heartbeat)" in head.stderr.read()
+    finally:
+        for p in (head, tail):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
