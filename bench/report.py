@@ -41,7 +41,7 @@ def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
             f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
 
 
-PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-auto", "p-prefetch-plain")
+PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-auto", "p-prefetch-plain")
 
 
 def planned_table(r: dict) -> str:
@@ -95,6 +95,8 @@ def main(path="bench/results/gpu_bench.json"):
         return
     dram = r.get("dram_read_gbs")
     configs = [k for k in ORDER if "waves" in r.get(k, {})]
+    if not configs:
+        sys.exit(f"{path}: no measured configuration ({', '.join(ORDER + PLANNED)}) has waves")
     conc = [w["concurrency"] for w in r[configs[0]]["waves"]]
     at = lambda k, i, f="tok_per_s": r[k]["waves"][i][f]
     pipes = [k for k in configs if k[0] in "cde"]

@@ -667,6 +667,16 @@ def patch_no_cpu_aot_load(decorators) -> None:
     APPLIED.append("decorators._try_load_aot_compiled_fn(CPU: compile, do not load)")
 
 
+def patch_cpu_masked_input(vocab_embedding) -> None:
+    # vllm.model_executor.layers.vocab_parallel_embedding.get_masked_input_and_mask, torch.compile'd at import and
+    # used only with tensor parallelism: on CPU every rank of a TP>1 stage compiled it with g++ at its first step,
+    # all on one inductor file lock; in CI a rank once waited out that lock's 600 s while the engine hung. It is a
+    # few pointwise ops on the token ids: eager on CPU, with no compile and no lock.
+    compiled = vocab_embedding.get_masked_input_and_mask
+    vocab_embedding.get_masked_input_and_mask = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    APPLIED.append("vocab_parallel_embedding.get_masked_input_and_mask(CPU: eager)")
+
+
 def journal_shm_names(journal: str) -> None:
     # Not upstream functions: multiprocessing's SharedMemory.__init__ and SemLock.__init__, what vLLM's
     # message queues and locks are made of, append each /dev/shm name they create to the stage's journal
@@ -730,7 +740,9 @@ def apply_all() -> list[str]:
         patch_check_offloader(gpu_worker)
     if current_platform.is_cpu():
         from vllm.compilation import decorators
+        from vllm.model_executor.layers import vocab_parallel_embedding
         patch_no_cpu_aot_load(decorators)
+        patch_cpu_masked_input(vocab_parallel_embedding)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     if not current_platform.is_cpu() and os.environ.get("HYBRID_COPROC_SOCKET"):
