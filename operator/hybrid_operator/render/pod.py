@@ -118,9 +118,10 @@ def _probes(index: int) -> dict[str, Any]:
         check = {"tcpSocket": {"port": "metrics"}}
     return {
         # Loading weights (and a first torch.compile) can take an hour on big models over slow disks; probed
-        # every 2 s so a restarted group serves as soon as it can (the kubelet's readiness probe waits a period more)
+        # every 2 s so a restarted group serves as soon as it can. Readiness every 2 s too: its first probe comes a
+        # period after the startup probe's success; 5 misses (10 s) before a busy stage counts as unready.
         "startupProbe": {**check, "periodSeconds": 2, "failureThreshold": 1800, "timeoutSeconds": 2},
-        "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
+        "readinessProbe": {**check, "periodSeconds": 2, "failureThreshold": 5, "timeoutSeconds": 5},
         "livenessProbe": {**check, "periodSeconds": 20, "failureThreshold": 6, "timeoutSeconds": 10},
     }
 
