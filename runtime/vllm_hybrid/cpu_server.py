@@ -54,11 +54,11 @@ def weights_and_manifest(conn: socket.socket, name: str, pages: str | None) -> t
     return torch.frombuffer(weights.map, dtype=torch.uint8), manifest
 
 
-def io_region(conn: socket.socket, name: str, nbytes: int) -> torch.Tensor:
-    """The io region (flags and buffers), its fd and this server's thread count sent to the main stage."""
+def io_region(conn: socket.socket, name: str, nbytes: int, extra: dict | None = None) -> torch.Tensor:
+    """The io region (flags and buffers), its fd and this server's thread count (and `extra`) sent to the main stage."""
     from .gemm_split import send_msg
     region = hostmem.allocate(f"{name}-io", nbytes, "shmem")
-    send_msg(conn, {"threads": torch.get_num_threads()}, [region.fd])
+    send_msg(conn, {"threads": torch.get_num_threads(), **(extra or {})}, [region.fd])
     return torch.frombuffer(region.map, dtype=torch.uint8)
 
 

