@@ -45,13 +45,21 @@ def identity_from_env(env: dict[str, str], stage: int | None = None, replica: in
 
 def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int, env: dict[str, str] | None = None) -> int:
     """VLLM_CPU_KVCACHE_SPACE (whole GiB): the stage's budget after its weights, at least 1; a value in the
-    stage's env (spec.stages[].env) wins, as vLLM's own setting: the user owns what it costs."""
+    stage's env (spec.stages[].env) wins, as vLLM's own setting, up to that budget: beyond it the kernel would
+    OOM-kill the stage at load (vLLM checks it against the node's free memory, not the pod's limit)."""
+    planned = max(1, split.stages[stage].kv_bytes // GiB)
     override = (env or {}).get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-    if override:
-        if not override.isdigit() or int(override) < 1:
-            raise PlanError(f"VLLM_CPU_KVCACHE_SPACE: expected whole GiB (at least 1), got {override!r}")
-        return int(override)
-    return max(1, split.stages[stage].kv_bytes // GiB)
+    if not override:
+        return planned
+    if not override.isdigit() or int(override) < 1:
+        raise PlanError(f"VLLM_CPU_KVCACHE_SPACE: expected whole GiB (at least 1), got {override!r}")
+    if int(override) > planned:
+        s = plan.stages[stage]
+        raise PlanError(f"VLLM_CPU_KVCACHE_SPACE={override} GiB: stage {s.name}'s memory "
+                        f"({(s.memory_bytes or 0) / GiB:.3g} GiB) leaves "
+                        f"{planned} GiB for its KV cache after its weights and vLLM's own; the kernel would OOM-kill "
+                        "it at load: lower it or raise the stage's memory")
+    return int(override)
 
 
 def progress_file(env: dict[str, str], replica: int, stage: int) -> str:

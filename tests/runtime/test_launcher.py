@@ -74,9 +74,13 @@ def test_cpu_stage_is_headless_with_cpu_env():
 def test_a_stages_own_kv_cache_size_wins_and_a_bad_one_is_refused():
     plan = plan_from_dict(PLAN)
     split, ident = split_layers(plan, model_shape(LLAMA_8B)), identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=1)
-    rec = resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": "80"})
-    assert rec.kv_cache_gib == 80  # more than the planned 53: the stage's memory limit is the user's to match
-    assert vllm_env(plan, rec, ident, plan_binding([0, 1], {0: [0, 1]}), {})["VLLM_CPU_KVCACHE_SPACE"] == "80"
+    rec = resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": "20"})
+    assert rec.kv_cache_gib == 20  # less than the planned 53: more room for the rest
+    assert vllm_env(plan, rec, ident, plan_binding([0, 1], {0: [0, 1]}), {})["VLLM_CPU_KVCACHE_SPACE"] == "20"
+    assert resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": "53"}).kv_cache_gib == 53
+    # more than the stage's memory holds: refused at start, not OOM-killed after minutes of loading
+    with pytest.raises(PlanError, match=r"VLLM_CPU_KVCACHE_SPACE=54 GiB: stage cpu's memory \(64 GiB\) leaves 53 GiB"):
+        resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": "54"})
     for bad in ("0", "4GiB", "-1"):
         with pytest.raises(PlanError, match="VLLM_CPU_KVCACHE_SPACE: expected whole GiB"):
             resolve_stage(plan, split, ident, {"VLLM_CPU_KVCACHE_SPACE": bad})
