@@ -6,6 +6,7 @@ import yaml
 from crd_validation import PATH, ensure_namespace, server_spec, validate
 from hi_fixtures import CHART, CPU, CRD_PATH, GPU, ROOT, make_body, stages
 from hybrid_operator import defaults
+from hybrid_operator.plan import plan_yaml
 from hybrid_operator.render import render_children
 
 
@@ -74,15 +75,15 @@ INVALID = [
     ("port-in-extra-args", body_with(serving={"extraArgs": ["--port", "1"]}), "spec.serving.extraArgs"),
     ("name-too-long-for-statefulsets", body_with(name="x" * 50), "metadata.name plus spec.stages[].name"),
     ("offload-without-gpu-stage", body_with(strategy="offload", stages=[CPU], sharedMemory={"mode": "none"}),
-     "spec.strategy offload, balanced and coprocessor need a gpu stage"),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage"),
     ("balanced-without-cpu-stage", body_with(strategy="balanced", stages=stages(1)),
-     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
     ("coprocessor-without-cpu-stage", body_with(strategy="coprocessor", stages=stages(1)),
-     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
     ("coprocessor-only-gpu-stages", body_with(strategy="coprocessor", stages=[GPU, dict(GPU, name="gpu2")]),
-     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
     ("coprocessor-without-gpu-stage", body_with(strategy="coprocessor", stages=[CPU]),
-     "spec.strategy offload, balanced and coprocessor need a gpu stage and a cpu stage"),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
     ("balanced-without-shared-dev-shm", body_with(strategy="balanced", sharedMemory={"mode": "none"}),
      "spec.strategy balanced needs spec.sharedMemory.mode hostPath"),
     ("coprocessor-without-shared-dev-shm", body_with(strategy="coprocessor", sharedMemory={"mode": "none"}),
@@ -90,11 +91,25 @@ INVALID = [
     ("coprocessor-tensor-parallel-2", body_with(strategy="coprocessor", stages=stages(2, tp=2)),
      "spec.strategy coprocessor needs spec.stages[].tensorParallel 1"),
     ("offload-cpu-stage-first", body_with(strategy="offload", stages=[CPU, GPU]),
-     "spec.strategy offload and coprocessor need spec.stages[0] to be a gpu stage"),
+     "spec.strategy offload, coprocessor and experts need spec.stages[0] to be a gpu stage"),
     ("coprocessor-two-cpu-stages", body_with(strategy="coprocessor", stages=stages(3)),
      "spec.strategy coprocessor runs one gpu stage and one cpu stage"),
     ("coprocessor-cpu-stage-first", body_with(strategy="coprocessor", stages=[CPU, GPU]),
-     "spec.strategy offload and coprocessor need spec.stages[0] to be a gpu stage"),
+     "spec.strategy offload, coprocessor and experts need spec.stages[0] to be a gpu stage"),
+    ("experts-without-cpu-stage", body_with(strategy="experts", stages=stages(1)),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
+    ("experts-only-gpu-stages", body_with(strategy="experts", stages=[GPU, dict(GPU, name="gpu2")]),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
+    ("experts-without-gpu-stage", body_with(strategy="experts", stages=[CPU]),
+     "spec.strategy offload, balanced, coprocessor and experts need a gpu stage and a cpu stage"),
+    ("experts-without-shared-dev-shm", body_with(strategy="experts", sharedMemory={"mode": "none"}),
+     "spec.strategy experts needs spec.sharedMemory.mode hostPath"),
+    ("experts-tensor-parallel-2", body_with(strategy="experts", stages=stages(2, tp=2)),
+     "spec.strategy experts needs spec.stages[].tensorParallel 1"),
+    ("experts-two-cpu-stages", body_with(strategy="experts", stages=stages(3)),
+     "spec.strategy experts runs exactly one gpu stage and one cpu stage"),
+    ("experts-cpu-stage-first", body_with(strategy="experts", stages=[CPU, GPU]),
+     "spec.strategy offload, coprocessor and experts need spec.stages[0] to be a gpu stage"),
     ("workload-longer-than-max-model-len", body_with(workload={"promptTokens": 4000, "outputTokens": 97}),
      "spec.workload.promptTokens + spec.workload.outputTokens must not exceed spec.model.maxModelLen"),
     ("workload-prompt-alone-longer-than-max-model-len",
@@ -181,6 +196,11 @@ VALID = {
         strategy="coprocessor", sharedMemory={"mode": "hostPath"}, stages=[
             dict(GPU, layers=8), dict(CPU, layers=24, numaNode=1,
                                       resources={"limits": {"hugepages-2Mi": "8Gi"}, "requests": {"hugepages-2Mi": "8Gi"}})]),
+    "experts-shared-memory-defaulted": make_body(strategy="experts"),  # sharedMemory {} -> mode hostPath
+    "experts-mixtral-workload-layers": make_body(
+        strategy="experts", sharedMemory={"mode": "hostPath"}, workload={"concurrency": 16, "promptTokens": 1024},
+        stages=[dict(GPU, gpuMemory="80Gi", cpus=2, layers=25),
+                dict(CPU, cpus=15, memory="24Gi", numaNode=0, layers=7)]),
     "stage-env": make_body(stages=[
         dict(GPU, env=[{"name": "HYBRID_BATCHES_IN_FLIGHT", "value": "2"}, {"name": "http_proxy", "value": ""}]),
         dict(CPU, env=[{"name": "VLLM_CPU_SGL_KERNEL", "value": "0"}, {"name": "_FLAG"},  # value defaults to ""
@@ -271,7 +291,7 @@ def test_coprocessor_needs_a_gpu_stage_0_with_a_cpu_stage_and_one_gpu_per_stage(
         "spec.strategy coprocessor runs one gpu stage and one cpu stage (for now): merge the cpu stages"), errors
     errors = validate(server, make_body(strategy="coprocessor", stages=[CPU, GPU]))
     assert [e for e in errors[1:] if e.startswith("spec.strategy:")] == [
-        "spec.strategy: Invalid value: spec.strategy offload and coprocessor need spec.stages[0] to be a "
+        "spec.strategy: Invalid value: spec.strategy offload, coprocessor and experts need spec.stages[0] to be a "
         "gpu stage (stage 0 serves the API, and only gpu stages run vLLM's layers)"], errors
     errors = validate(server, make_body(strategy="coprocessor", stages=stages(1)))
     assert "need a gpu stage and a cpu stage" in errors[1] and "runs one gpu stage and one cpu stage" in errors[2], errors
@@ -280,6 +300,81 @@ def test_coprocessor_needs_a_gpu_stage_0_with_a_cpu_stage_and_one_gpu_per_stage(
         "spec.strategy coprocessor needs spec.stages[].tensorParallel 1 on the gpu stages (for now)"), errors
     for strategy in ("pipeline", "offload", "balanced", "auto"):  # only coprocessor limits tensorParallel
         assert validate(server, make_body(strategy=strategy, stages=stages(3, tp=2))) == [], strategy
+
+
+def test_experts_needs_hostpath_shared_memory_and_says_why(server):
+    """The cpu pod hands its weight region (the experts the gpu stage leaves out) and its io region to the gpu pod
+    over a socket in the replica's /dev/shm."""
+    errors = validate(server, make_body(strategy="experts", sharedMemory={"mode": "none", "sizeLimit": "1Gi"}))
+    assert len(errors) == 2, errors  # the whole message and its one cause
+    assert errors[1] == ("spec.sharedMemory.mode: Invalid value: spec.strategy experts needs "
+                         "spec.sharedMemory.mode hostPath (the cpu stage hands its experts to the gpu pod over a socket "
+                         "in the shared /dev/shm)"), errors
+    for shared_memory in ({}, {"mode": "hostPath"}):  # the defaulted mode is hostPath
+        assert validate(server, make_body(strategy="experts", sharedMemory=shared_memory)) == []
+
+
+def test_experts_needs_exactly_a_gpu_stage_0_and_a_cpu_stage_on_one_gpu(server):
+    """The gpu stage runs every layer and serves the API; the one cpu stage holds the experts it leaves out."""
+    assert validate(server, make_body(strategy="experts", stages=stages(2))) == []
+    errors = validate(server, make_body(strategy="experts", stages=stages(3)))
+    assert len(errors) == 2 and errors[1].startswith("spec.stages: ") and errors[1].endswith(
+        "spec.strategy experts runs exactly one gpu stage and one cpu stage (the gpu stage runs every layer, the cpu "
+        "stage holds the experts it leaves out)"), errors
+    errors = validate(server, make_body(strategy="experts", stages=[CPU, GPU]))
+    assert errors[1:] == [
+        "spec.strategy: Invalid value: spec.strategy offload, coprocessor and experts need spec.stages[0] "
+        "to be a gpu stage (stage 0 serves the API, and only gpu stages run vLLM's layers)"], errors
+    errors = validate(server, make_body(strategy="experts", stages=stages(1)))
+    assert len(errors) == 3 and "need a gpu stage and a cpu stage" in errors[1] and \
+        "runs exactly one gpu stage and one cpu stage" in errors[2], errors
+    errors = validate(server, make_body(strategy="experts", stages=[GPU, dict(GPU, name="gpu2")]))
+    assert len(errors) == 2 and "need a gpu stage and a cpu stage" in errors[1], errors  # two stages, no cpu stage
+    errors = validate(server, make_body(strategy="experts", stages=stages(2, tp=2)))
+    assert len(errors) == 2 and errors[1].startswith("spec.stages: ") and errors[1].endswith(
+        "spec.strategy experts needs spec.stages[].tensorParallel 1 on the gpu stage"), errors
+    for strategy in ("pipeline", "offload", "balanced", "auto"):  # experts' limits are its own
+        assert validate(server, make_body(strategy=strategy, stages=stages(3, tp=2))) == [], strategy
+
+
+EXPERTS_SHAPES = {  # spec.strategy experts on a Mixtral-8x7B shape: what the runtime (and so the CRD) must refuse
+    "gpu-then-cpu": {},
+    "gpu-then-cpu-explicit-layers": {"stages": [dict(GPU, gpuMemory="80Gi", layers=25), dict(CPU, layers=7)]},
+    "cpu-then-gpu": {"stages": [CPU, dict(GPU, gpuMemory="80Gi")]},
+    "two-cpu-stages": {"stages": [dict(GPU, gpuMemory="80Gi"), CPU, dict(CPU, name="cpu2")]},
+    "tensor-parallel-2": {"stages": [dict(GPU, gpuMemory="80Gi", gpus=2, tensorParallel=2),
+                                     dict(CPU, tensorParallel=2)]},
+    "private-dev-shm": {"sharedMemory": {"mode": "none"}},
+    "gpu-only": {"stages": [dict(GPU, gpuMemory="80Gi")]},
+    "two-gpu-stages": {"stages": [dict(GPU, gpuMemory="80Gi"), dict(GPU, name="gpu2", gpuMemory="80Gi")]},
+    "cpu-only": {"stages": [CPU]},
+}
+
+
+@pytest.mark.parametrize("shape", EXPERTS_SHAPES)
+def test_the_crd_refuses_exactly_the_experts_layouts_the_runtime_refuses(server, shape):
+    """Admission mirrors the runtime: the launcher's own choice on the plan and env the operator renders (a dense
+    model's refusal is the runtime's alone: the operator never reads the model)."""
+    from vllm_hybrid.plan import PlanError, plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import resolve_split
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+
+    spec = {"strategy": "experts", "stages": [dict(GPU, gpuMemory="80Gi"), CPU], **EXPERTS_SHAPES[shape]}
+    body = make_body(**spec)
+    sts = next(c for c in render_children(body) if c["kind"] == "StatefulSet")
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    plan = plan_from_dict(yaml.safe_load(plan_yaml(body["spec"])))
+    try:
+        _, lay, _ = resolve_split(plan, model_shape(MIXTRAL_8X7B, plan.dtype), api_stage=int(env["HYBRID_API_STAGE"]),
+                                  shared_shm=env["HYBRID_SHM_SHARED"] == "1")
+        refused = None
+        assert lay.strategy == "experts" and lay.stages == (0,) and lay.servers == ((1, 0),)
+    except PlanError as e:
+        refused = str(e)
+    errors = validate(server, body)
+    assert (errors == []) == (refused is None), (errors, refused)
+    assert (shape in ("gpu-then-cpu", "gpu-then-cpu-explicit-layers")) == (refused is None), refused
 
 
 def test_unknown_fields_are_pruned_when_the_client_does_not_ask_for_strict(server):

@@ -151,6 +151,22 @@ def test_coprocessor_runs_every_stage_each_holding_its_own_layers():
     assert render_plan(spec)["strategy"] == "coprocessor"
 
 
+def test_experts_runs_both_stages_and_keeps_the_experts_in_the_cpu_pod():
+    """experts: the gpu stage computes every layer; the cpu stage's pod holds (and computes) the experts the gpu
+    leaves out, which larger steps stream from there: no layers or weights move into the gpu pod."""
+    st = stages(2, layers=True)
+    st[0]["layers"], st[1]["layers"] = 25, 7
+    spec = with_defaults(make_body(strategy="experts", stages=st)["spec"])
+    assert running_stages(spec) == [0, 1]
+    assert [streamed_stages(spec, i) for i in range(2)] == [[1], []]
+    assert [offloaded_stages(spec, i) for i in range(2)] == [[], []]
+    assert running_layers(spec) == [25, 7]
+    assert stages_summary(spec) == "gpu:25 cpu:7" and layer_ranges(spec) == ["0-24", "25-31"]
+    plan = render_plan(spec)
+    assert plan["strategy"] == "experts" and [s["name"] for s in plan["stages"]] == ["gpu", "cpu"]
+    assert stages_summary(make_body(strategy="experts")["spec"]) == "gpu:auto cpu:auto"
+
+
 def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():
     st = stages(2)
     st[0]["gpuMemory"] = "80Gi"
@@ -160,7 +176,7 @@ def test_gpu_memory_goes_to_plan_memory_of_gpu_stage():
 
 @pytest.mark.parametrize("n_stages,tp,layers,strategy", [(1, 1, False, "pipeline"), (2, 1, True, "offload"),
                                                       (3, 2, False, "auto"), (3, 2, True, "balanced"),
-                                                      (2, 1, True, "coprocessor")])
+                                                      (2, 1, True, "coprocessor"), (2, 1, False, "experts")])
 def test_runtime_loader_accepts_rendered_plans(n_stages, tp, layers, strategy):
     """Contract test: the runtime's own validator reads what the operator renders."""
     from vllm_hybrid.plan import plan_from_dict

@@ -227,7 +227,7 @@ def test_offload_without_gpu_memory_reserves_the_streamed_ram_without_a_limit():
     assert memory_of(gpu) == ("132Gi", None)  # 2 x 64Gi streamed + 4Gi for its processes
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "balanced", "coprocessor", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "balanced", "coprocessor", "experts", "auto"])
 def test_a_gpu_pod_without_memory_requests_what_its_processes_were_measured_to_use(strategy):
     """The node must count the gpu pod's host RAM (vLLM's processes: 2.0-3.4 GB measured): a request, no limit."""
     for sts in by_kind(render_children(make_body(strategy=strategy, stages=stages(2))), "StatefulSet"):
@@ -279,14 +279,16 @@ def test_balanced_runs_every_stage_and_keeps_one_copy_of_the_weights_in_the_cpu_
         assert plan["strategy"] == "balanced" and len(plan["stages"]) == 3
 
 
-def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
-    """The gpu stage computes every layer, but streams the cpu stages' layers from the cpu pods' own weight
-    regions (handed over the shared /dev/shm): every stage gets its pods, none grows, only the plan differs."""
+@pytest.mark.parametrize("strategy", ["coprocessor", "experts"])
+def test_coprocessor_and_experts_run_every_stage_and_keep_the_weights_in_the_cpu_pods(strategy):
+    """The gpu stage computes every layer, but the cpu stage's layers (coprocessor) or the experts the gpu leaves
+    out (experts) live in the cpu pod's own weight region (handed over the shared /dev/shm), whose server computes
+    from it: every stage gets its pods, none grows, only the plan differs."""
     for st, gpu_memory in ((stages(2), ("4Gi", None)), ([dict(stages(1)[0], memory="32Gi"), stages(2)[1]], ("32Gi",) * 2)):
         st[1] = dict(st[1], memory="24Gi", resources={"limits": {"hugepages-2Mi": "8Gi"},
                                                       "requests": {"hugepages-2Mi": "8Gi"}})
         pipeline = by_kind(render_children(make_body(stages=st)), "StatefulSet")
-        children = render_children(make_body(stages=st, strategy="coprocessor"))
+        children = render_children(make_body(stages=st, strategy=strategy))
         coprocessor = by_kind(children, "StatefulSet")
         assert [s["metadata"]["name"] for s in coprocessor] == ["llama-gpu", "llama-cpu"]
         gpu, cpu = coprocessor
@@ -294,7 +296,7 @@ def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
         assert memory_of(cpu) == ("24Gi", "24Gi")  # as stated
         res = cpu["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert res["requests"]["hugepages-2Mi"] == res["limits"]["hugepages-2Mi"] == "8Gi"
-        for sts in coprocessor:  # the product server runs from the same container and command
+        for sts in coprocessor:  # the product (or expert) server runs from the same container and command
             pod = sts["spec"]["template"]["spec"]
             (container,) = pod["containers"]
             assert container["command"] == ["vllm-hybrid"] and container["args"][0] == "serve"
@@ -306,7 +308,7 @@ def test_coprocessor_runs_every_stage_and_keeps_the_weights_in_the_cpu_pods():
             hb = b["spec"]["template"]["metadata"]["annotations"].pop(names.PLAN_HASH)
             assert ha != hb and a == b  # the pods differ from pipeline's in the plan only
         plan = yaml.safe_load(children[0]["data"]["plan.yaml"])
-        assert plan["strategy"] == "coprocessor" and len(plan["stages"]) == 2
+        assert plan["strategy"] == strategy and len(plan["stages"]) == 2
         assert [s.get("memory") for s in plan["stages"]] == [None, "24Gi"]
 
 

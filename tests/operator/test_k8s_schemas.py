@@ -65,7 +65,7 @@ def test_rendered_children_are_admitted(server, mode, n, tp, replicas):
     assert_admitted(server, render_children(body, Settings(network_policy=True)))
 
 
-@pytest.mark.parametrize("strategy", ["offload", "balanced", "coprocessor", "auto"])
+@pytest.mark.parametrize("strategy", ["offload", "balanced", "coprocessor", "experts", "auto"])
 def test_children_of_every_strategy_are_admitted(server, strategy):
     st = stages(3)
     st[0]["memory"] = "1.5Gi"  # offload adds the cpu stages' memory to it

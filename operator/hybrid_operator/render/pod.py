@@ -49,7 +49,7 @@ def _env(body: dict[str, Any], index: int, settings: Settings) -> list[dict[str,
         {"name": "HYBRID_MASTER_ADDR", "value": master_addr(body, settings)},
         # the client Service sends requests to stage 0's pods: `auto` must keep that stage serving
         {"name": "HYBRID_API_STAGE", "value": "0"},
-        # the replica's pods share /dev/shm (hostPath): balanced and coprocessor need it, auto checks it
+        # the replica's pods share /dev/shm (hostPath): balanced, coprocessor and experts need it, auto checks it
         {"name": "HYBRID_SHM_SHARED", "value": "1" if spec["sharedMemory"]["mode"] == "hostPath" else "0"},
         _field_env("HYBRID_HOST_IP", "status.podIP"),
         {"name": "HOME", "value": "/tmp"},  # read-only root fs: every tool's dotfiles go to /tmp
@@ -74,7 +74,8 @@ def _user_env(var: dict[str, str]) -> dict[str, str]:
 
 
 # host RAM of a gpu stage's processes (vLLM's API server, engine and worker; balanced's GEMM helper,
-# coprocessor's client): peak RssAnon 2.0-3.4 GB in every H100 and H200 run (bench/results, stage_peak_rss_gb)
+# coprocessor's and experts' clients): peak RssAnon 2.0-3.4 GB in every H100 and H200 run (bench/results,
+# stage_peak_rss_gb; experts on Mixtral 2.97 GB)
 GPU_POD_HOST_MEMORY = 4 << 30
 
 
@@ -92,7 +93,7 @@ def _resources(spec: dict[str, Any], index: int) -> dict[str, Any]:
     limits = {**{k: str(v) for k, v in extra.get("limits", {}).items()}, **fixed}
     requests = {**{k: str(v) for k, v in extra.get("requests", {}).items()}, **fixed}
     # offload: this pod's host RAM also holds the cpu stages' weights (pinned, streamed to the GPU);
-    # balanced's helper and coprocessor's gpu stage stream from the cpu pod's own region, charged to that pod.
+    # balanced's helper and coprocessor's and experts' gpu stage stream from the cpu pod's own region, charged to it.
     streamed = sum(to_bytes(spec["stages"][i]["memory"]) for i in offloaded_stages(spec, index))
     if "memory" in stage:
         if streamed:
