@@ -141,18 +141,20 @@ class Peaks:
                 "stage_peak_rss_gb": [{"anon": gb(a), "shmem": gb(sh)} for a, sh in self.stages]}
 
 
-def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float]]:
-    """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far."""
+def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, float]]:
+    """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far, and (expert tokens, routed pairs) of
+    an experts server (strategy experts' cpu stage; 0 elsewhere)."""
     out = []
     for url in metrics_urls:
         try:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
-            out.append((0.0, 0.0))
+            out.append((0.0, 0.0, 0.0, 0.0))
             continue
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                if l.startswith("hybrid_stage_forward_seconds_")}
-        out.append((vals.get("hybrid_stage_forward_seconds_sum", 0.0), vals.get("hybrid_stage_forward_seconds_count", 0.0)))
+                if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_"))}
+        out.append(tuple(vals.get(k, 0.0) for k in ("hybrid_stage_forward_seconds_sum", "hybrid_stage_forward_seconds_count",
+                                                    "hybrid_experts_expert_tokens", "hybrid_experts_routed_pairs")))
     return out
 
 
@@ -168,6 +170,11 @@ def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
         # mean forward time per step on each stage during the wave (prefill steps included)
         w["stage_forward_ms"] = [round(1000 * (a[0] - b[0]) / (a[1] - b[1]), 2) if a[1] > b[1] else None
                                  for a, b in zip(after, before)]
+        # strategy experts: the share of the served steps' routed (token, expert) pairs that went to the cpu experts
+        # (dummy weights route otherwise than real ones: figures scale with it)
+        pairs = [(a[2] - b[2], a[3] - b[3]) for a, b in zip(after, before) if a[3] > b[3]]
+        if pairs:
+            w["remote_share"] = round(sum(t for t, _ in pairs) / sum(p for _, p in pairs), 3)
         waves.append(w)
         print(json.dumps(w), flush=True)
     ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in TTFT_TOKENS}

@@ -76,6 +76,7 @@ class Served:
     steps: int = 0
     expert_reads: int = 0   # GEMM pairs: one per remote expert with tokens in a step (its weights read once)
     expert_tokens: int = 0  # (token, expert) pairs computed
+    routed_pairs: int = 0   # (token, slot) pairs of the steps served, wherever their expert is: the remote share's base
     busy_s: float = 0.0     # computing (the rest of the time it waits for the main stage)
 
 
@@ -278,6 +279,7 @@ def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle
         io.y(layer, rows).copy_(y)
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served.steps += 1
+        served.routed_pairs += rows * io.layout.top_k
         served.busy_s += time.perf_counter() - t0
     return served.steps
 
@@ -314,6 +316,8 @@ def serve_metrics(port: int, served: Served) -> None:
             ("steps", "MoE layer steps this CPU stage computed remote experts for", lambda: served.steps),
             ("expert_reads", "Remote experts computed (each read once per step it has tokens)", lambda: served.expert_reads),
             ("expert_tokens", "Token-expert pairs this CPU stage computed", lambda: served.expert_tokens),
+            ("routed_pairs", "Token-expert pairs routed in the steps this CPU stage served (its share: expert_tokens "
+             "over this)", lambda: served.routed_pairs),
             ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)",
              lambda: served.busy_s)):
         Gauge(f"hybrid_experts_{name}", doc, labels, registry=reg).labels(**m.labels).set_function(read)

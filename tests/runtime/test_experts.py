@@ -174,6 +174,8 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, kern
                 tokens += sum(int((ids == e).sum()) for e in remote[layer])
         assert (_metric(port, "steps"), _metric(port, "expert_reads"), _metric(port, "expert_tokens")) == (
             steps, reads, tokens)
+        served_rows = sum(rows for layer, rows in [(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)] if rows <= 8)
+        assert _metric(port, "routed_pairs") == served_rows * K  # the remote share's base
         assert _metric(port, "busy_seconds") > 0
         client.sock.close()  # the main stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
