@@ -36,6 +36,7 @@ def report():
     yield
     print("\n[real node] " + json.dumps(REPORT, indent=1))
     if out := os.environ.get("HYBRID_REPORT_DIR"):
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "real_node.json").write_text(json.dumps(REPORT, indent=1))
 
 
