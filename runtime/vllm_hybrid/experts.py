@@ -63,6 +63,23 @@ def expert_map(num_experts: int, remote: Sequence[int]) -> tuple[int, torch.Tens
     return len(local), torch.tensor(emap, dtype=torch.int32)
 
 
+def local_topk(local: torch.Tensor, num_local: int) -> torch.Tensor:
+    """Top-k ids for upstream's CPU MoE kernels, which take no expert map: a token's local slots keep their local index
+    (expert map applied: -1 where the expert is remote); each remote slot gets one its token does not use, to be
+    weighted 0. Distinct because the kernels' torch path counts a token's expert once (a scatter, not an add): two
+    slots on one index lost a row (a shape mismatch at a step with tokens routed to two remote experts)."""
+    if num_local < local.shape[1]:
+        raise ValueError(f"{num_local} local experts for top-{local.shape[1]}: keep at least top-k experts local")
+    ids = local.clone()
+    for j in range(ids.shape[1]):
+        remote = ids[:, j] < 0
+        if remote.any():
+            used = torch.zeros(ids.shape[0], num_local, dtype=torch.int32)
+            used.scatter_add_(1, ids.clamp(min=0).long(), (ids >= 0).to(torch.int32))
+            ids[:, j] = torch.where(remote, (used == 0).to(torch.int32).argmax(1).to(ids.dtype), ids[:, j])
+    return ids.to(torch.int32)
+
+
 def remote_mask(num_experts: int, remote: Sequence[int]) -> torch.Tensor:
     mask = torch.zeros(num_experts, dtype=torch.bool)
     mask[list(remote)] = True

@@ -560,8 +560,7 @@ def patch_experts(routed_experts, unquantized, base_loader) -> None:
         if device == "cuda":
             return original_apply(method, layer, x, topk_weights, topk_ids, None, None)
         local = layer.expert_map[topk_ids.long()]
-        keep = local >= 0
-        ids, weights = torch.where(keep, local, 0).to(torch.int32), torch.where(keep, topk_weights, 0.0)
+        ids, weights = experts.local_topk(local, layer.local_num_experts), torch.where(local >= 0, topk_weights, 0.0)
         # upstream's CPU kernel object (CPUFusedMOE / SGLFusedMOE) routes first: a routing function returning ours
         return method.cpu_fused_moe(layer, x, use_grouped_topk=False, top_k=layer.top_k, router_logits=None,
                                     renormalize=False, global_num_experts=layer.local_num_experts,

@@ -99,6 +99,18 @@ def test_grouped_kernel_packed_in_place_equals_the_dense_reference(monkeypatch):
     assert experts.layer_experts(flat, [1, 6], apart).packed is None
 
 
+def test_local_topk_gives_every_remote_slot_an_index_its_token_does_not_use():
+    """Upstream's CPU MoE kernels take no expert map: remote slots get a local index (weighted 0) distinct from the
+    token's others, as their torch path counts a token's expert once."""
+    local = torch.tensor([[-1, -1], [0, -1], [-1, 0], [2, 1], [-1, 3]], dtype=torch.int32)  # -1: remote
+    ids = experts.local_topk(local, num_local=4)
+    assert ids.dtype == torch.int32 and ids.tolist()[3] == [2, 1]  # local slots keep theirs
+    assert all(len(set(row)) == 2 for row in ids.tolist())
+    assert ids[1, 0] == 0 and ids[2, 1] == 0 and ids[4, 1] == 3
+    with pytest.raises(ValueError, match="keep at least top-k experts local"):
+        experts.local_topk(local, num_local=1)
+
+
 def test_kernel_without_remote_tokens_is_zero_and_reads_nothing():
     all_experts = make_experts(E, torch.float32)
     x = torch.randn(4, H)
