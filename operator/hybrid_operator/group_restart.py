@@ -67,6 +67,12 @@ def backoff_s(restarts: int) -> float:
     return min(BACKOFF_S * 2 ** max(restarts - 1, 0), BACKOFF_MAX_S)
 
 
+def retold(failures: list[dict[str, Any]], entry: dict[str, Any], code: int, line: str,
+           **fields: Any) -> list[dict[str, Any]]:
+    """status.failures with `entry`'s cause replaced (the same failure, better told: its count stays)."""
+    return [dict(f, exitCode=code, message=line[:1000], **fields) if f is entry else f for f in failures]
+
+
 def failure_of(failures: list[dict[str, Any]], replica: int) -> dict[str, Any] | None:
     return next((f for f in failures if f.get("replica") == replica), None)
 

@@ -132,8 +132,7 @@ async def handle_pod_event(api: KubeApi, event_type: str | None, pod: dict[str, 
         # backing off: the periodic resync restarts it once the wait is over; status has the latest cause
         cause = group_restart.replica_cause(pod, pods)
         if cause and cause[1] != last.get("message") and group_restart.improves(last, cause[0]):
-            await _write_failures(api, ns, instance, [dict(f, exitCode=cause[0], message=cause[1][:1000])
-                                                      if f is last else f for f in failures])
+            await _write_failures(api, ns, instance, group_restart.retold(failures, last, *cause))
         return []
     deleted = []
     for name in doomed:  # marked first, so their own DELETED events start no second group restart
@@ -172,8 +171,7 @@ async def record_victim_cause(api: KubeApi, pod: dict[str, Any]) -> None:
     if (entry is None or entry.get("generation") != body["metadata"].get("generation")
             or entry.get("exitCode") != group_restart.EXIT_PEER_LOST or failure[0] == group_restart.EXIT_PEER_LOST):
         return
-    await _write_failures(api, ns, instance, [dict(f, pod=meta["name"], exitCode=failure[0], message=failure[1][:1000])
-                                              if f is entry else f for f in failures])
+    await _write_failures(api, ns, instance, group_restart.retold(failures, entry, *failure[:2], pod=meta["name"]))
 
 
 async def _write_failures(api: KubeApi, ns: str, instance: str, failures: list[dict[str, Any]]) -> None:

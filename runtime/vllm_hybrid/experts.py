@@ -407,18 +407,20 @@ class GpuSide:
 @dataclass
 class Held:
     ids: list[int]
-    weights: list[tuple[torch.Tensor, torch.Tensor]]  # (w13, w2) in the region, per remote expert
-    stacks: tuple[torch.Tensor, torch.Tensor]         # the same, as the layer's E x 2I x H and E x H x I
-    packed: str | None = None                         # the server packed them for its grouped kernel (isa)
+    stacks: tuple[torch.Tensor, torch.Tensor]  # the layer's remote experts in the region: E x 2I x H and E x H x I
+    packed: str | None = None                  # the server packed them for its grouped kernel (isa)
+
+    @property
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13, w2) in the region, per remote expert."""
+        return list(zip(*self.stacks))
 
     def plain(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(w13, w2) per expert on `device`, unpacked if the server packed them."""
         if self.packed is None and device.type == "cpu":
             return self.weights
-        w13, w2 = (s.to(device, non_blocking=True) for s in self.stacks)
-        if self.packed:
-            w13, w2 = unpack(w13, self.packed), unpack(w2, self.packed)
-        return [(w13[i], w2[i]) for i in range(len(self.ids))]
+        stacks = [s.to(device, non_blocking=True) for s in self.stacks]
+        return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
 
 
 class Client(RegionClient):
@@ -454,7 +456,7 @@ class Client(RegionClient):
         ids = self.remote[layer]
         # each layer's experts back to back, so the server can pack them for its grouped kernel in place
         w13, w2 = (self.take(torch.empty(len(ids), *shape, dtype=dtype, device="meta")) for shape in (w13_shape, w2_shape))
-        self.layers[layer] = Held(ids, [(w13[i], w2[i]) for i in range(len(ids))], (w13, w2))
+        self.layers[layer] = Held(ids, (w13, w2))
         return self.layers[layer]
 
     def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:

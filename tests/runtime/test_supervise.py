@@ -27,6 +27,18 @@ def launcher(stage, port, child=CHILD, oom_flag=None):
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stderr=subprocess.PIPE, text=True)
 
 
+def fails_after(flag, delay):
+    """A stand-in vLLM that exits 1 `delay` s after `flag` appears: an engine failing on its lost peer."""
+    return [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.05)\n"
+            f"time.sleep({delay}); raise SystemExit(1)"]
+
+
+def kill_all(*procs):
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
 def wait_connected(proc, needle="stage 1 connected", timeout=20):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -62,9 +74,7 @@ def test_stage0_exits_nonzero_when_peer_dies():
         assert time.monotonic() - t0 < 30
         assert all(group_gone(k) for k in kids)  # its vLLM stand-in and grandchild are gone too
     finally:
-        for p in (head, peer):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        kill_all(head, peer)
 
 
 def test_headless_stage_exits_when_stage0_goes():
@@ -77,9 +87,7 @@ def test_headless_stage_exits_when_stage0_goes():
         assert peer.wait(30) == 75
         assert all(group_gone(k) for k in kids)
     finally:
-        for p in (head, peer):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        kill_all(head, peer)
 
 
 def test_sigterm_ends_every_process_of_the_stage():
@@ -98,8 +106,7 @@ def test_sigterm_ends_every_process_of_the_stage():
         assert time.monotonic() - t0 < 30
         assert all(group_gone(k, timeout=1) for k in kids)
     finally:
-        if head.poll() is None:
-            os.killpg(head.pid, signal.SIGKILL)
+        kill_all(head)
 
 
 def test_child_failure_is_the_exit_code():
@@ -115,18 +122,14 @@ def test_a_stage_failing_because_its_peer_failed_says_peer_lost():
     port = free_port()
     flag = f"/tmp/hybrid-peer-failed-{port}"
     tail_child = [sys.executable, "-c", f"import time; time.sleep(4); open({flag!r}, 'w').close(); raise SystemExit(3)"]
-    head_child = [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.05)\n"
-                  "time.sleep(0.2); raise SystemExit(1)"]
-    head, peer = launcher(0, port, head_child), launcher(1, port, tail_child)
+    head, peer = launcher(0, port, fails_after(flag, 0.2)), launcher(1, port, tail_child)
     try:
         wait_connected(head)
         assert peer.wait(30) == 3
         assert head.wait(30) == 75
         assert "peer lost (stage 1 closed its heartbeat); vLLM exited with code 1" in head.stderr.read()
     finally:
-        for p in (head, peer):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        kill_all(head, peer)
         if os.path.exists(flag):
             os.unlink(flag)
 
@@ -136,9 +139,7 @@ def test_an_oom_killed_worker_is_the_stage_s_own_cause_even_while_vllm_runs(tmp_
     worker. The tail says OOM at once (exit 137, its heartbeat closed first) and the head follows as peer lost;
     a SIGTERM from the group restart that follows does not hide the tail's cause."""
     port, oom = free_port(), tmp_path / "oom"
-    head_child = [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(oom)!r}): time.sleep(0.05)\n"
-                  "time.sleep(0.5); raise SystemExit(1)"]
-    head, tail = launcher(0, port, head_child), launcher(1, port, oom_flag=str(oom))
+    head, tail = launcher(0, port, fails_after(oom, 0.5)), launcher(1, port, oom_flag=str(oom))
     try:
         wait_connected(head)
         deadline = time.monotonic() + 20
@@ -153,6 +154,4 @@ def test_an_oom_killed_worker_is_the_stage_s_own_cause_even_while_vllm_runs(tmp_
         assert head.wait(30) == 75
         assert "peer lost (stage 1 closed its heartbeat)" in head.stderr.read()
     finally:
-        for p in (head, tail):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        kill_all(head, tail)
