@@ -387,7 +387,8 @@ CONFIGS = {
     "p-balanced": lambda m: run_planned(m, "balanced"),  # 4 KiB pages: huge pages for 80 GB need a node set up for them
     "p-coproc": lambda m: run_planned(m, "coprocessor"),
     "p-experts": lambda m: run_planned(m, "experts"),  # the record caps CUDA graphs at its decode steps (64)
-    "p-experts-sgl": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="sgl"),  # the server's sgl kernel
+    "p-experts-sgl": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="sgl"),  # the server's packed kernels
+    "p-experts-grouped": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="grouped"),
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,
 }

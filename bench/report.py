@@ -41,7 +41,7 @@ def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
             f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
 
 
-PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-experts-sgl", "p-auto", "p-prefetch-plain")
+PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-experts-sgl", "p-experts-grouped", "p-auto", "p-prefetch-plain")
 
 
 def planned_table(r: dict) -> str:
