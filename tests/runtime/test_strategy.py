@@ -329,7 +329,7 @@ def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_h
     assert get("experts").server(plan, lay, ident, base) is None
 
 
-def test_experts_refuses_dense_models_and_plans_it_cannot_serve_and_auto_leaves_it_out():
+def test_experts_refuses_dense_models_and_plans_it_cannot_serve():
     plan, split = planned([GPU, CPU], strategy="experts")  # Llama: no routed experts
     with pytest.raises(PlanError, match=r"strategy: experts needs a mixture-of-experts model \(LlamaForCausalLM"):
         resolve(plan, split)
@@ -346,10 +346,22 @@ def test_experts_refuses_dense_models_and_plans_it_cannot_serve_and_auto_leaves_
     plan, shape = mixtral_plan(stages=({**MIXTRAL_GPU, "memory": "16Gi"}, MIXTRAL_CPU))
     with pytest.raises(PlanError, match=r"stages\[0\] \(gpu\): strategy experts does not fit"):
         resolve(plan, split_layers(plan, shape))
-    # no measured run has checked its cost model yet: auto does not pick it
-    plan, shape = mixtral_plan(strategy="auto", expected_concurrency=1)
+    plan, split = planned([GPU, CPU], strategy="auto")  # dense: auto leaves it out
+    assert "experts" not in resolve(plan, split)[1]
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16, 64])
+def test_auto_picks_experts_where_the_measured_runs_found_it_fastest(concurrency):
+    """The Mixtral-8x7B shape on the H100 box as bench/gpu_bench.py plans it (gpu_bench-experts-mixtral-h100-b.json,
+    32 + 16 tokens a request): experts was the fastest measured at 1, 4, 16 and 64 (1.5-1.6x pipeline and
+    offload), so auto picks it there, with the box's measured DRAM bandwidth."""
+    stages = ({"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": "81559Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"})
+    plan, shape = mixtral_plan(stages, strategy="auto", max_num_seqs=64, block_size=128,
+                               max_num_batched_tokens=512, expected_concurrency=concurrency,
+                               expected_prompt_tokens=32, expected_output_tokens=16, hardware={"dram_gbs": 111.5})
     lay, est = resolve(plan, split_layers(plan, shape))
-    assert "experts" not in est and lay.strategy != "experts"
+    assert lay.strategy == "experts" and est["experts"] > max(v for k, v in est.items() if k != "experts")
 
 
 def test_experts_cost_reads_the_routed_cpu_experts_and_streams_them_for_large_steps():

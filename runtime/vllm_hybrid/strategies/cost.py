@@ -15,6 +15,8 @@ class Hardware:
     dram_gbs: float = 93.7               # host DRAM read bandwidth (bench/gpu_bench.py measures it)
     cpu_decode_efficiency: float = 0.87  # share of it a CPU stage's one-token step reaches (sgl kernel)
     cpu_moe_efficiency: float = 0.65     # and a mixture of experts' layers (gpu_bench-mixtral-h100.json: 89-405 ms)
+    experts_efficiency: float = 1.0      # and strategy experts' server, its kernel measured at start (grouped: 115 GB/s
+    # of experts at one token on a 111.5 GB/s box, experts_kernel-h100-b.json; TPOT 50 ms, gpu_bench-experts-mixtral-h100-b)
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
@@ -75,10 +77,11 @@ class StageCost(NamedTuple):
 NO_COST = StageCost(0.0, 0.0)
 
 
-def cpu_pass_s(read_bytes: float, flops_per_token: float, c: int, cores: int, shape, hw: Hardware) -> float:
-    """A CPU stage's decode step of `c` tokens: reading its weights plus each token's products, or, in large
-    batches, compute-bound."""
-    efficiency = hw.cpu_moe_efficiency if shape.experts else hw.cpu_decode_efficiency
+def cpu_pass_s(read_bytes: float, flops_per_token: float, c: int, cores: int, shape, hw: Hardware,
+               efficiency: float | None = None) -> float:
+    """A CPU stage's decode step of `c` tokens: reading its weights (at `efficiency` of DRAM's bandwidth; default
+    vLLM's CPU kernels') plus each token's products, or, in large batches, compute-bound."""
+    efficiency = efficiency or (hw.cpu_moe_efficiency if shape.experts else hw.cpu_decode_efficiency)
     flops = c * flops_per_token / (cores * hw.cpu_token_speed * 1e12)
     return max(read_bytes / (hw.dram_gbs * 1e9 * efficiency) + flops / hw.cpu_token_tflops_per_core,
                flops / hw.cpu_decode_tflops_per_core)

@@ -98,7 +98,7 @@ def placement(plan: Plan, split: Split, gpu: int) -> list[list[int]]:
 
 class Experts(Strategy):
     name = "experts"
-    auto = False  # its cost model has no measured run to check it against yet: auto does not pick it
+    auto = True
 
     def refused(self, plan: Plan, shared_shm: bool) -> str | None:
         if not shared_shm:  # the stages meet through a socket and regions there
@@ -153,5 +153,6 @@ class Experts(Strategy):
         read = remote * (1 - (1 - shape.routed / shape.experts) ** c)
         flops_per_token = 2 * remote / shape.dtype_bytes * shape.routed / shape.experts
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
-        return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw) + shape.num_layers * hw.coproc_call_s,
+        return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency)
+                         + shape.num_layers * hw.coproc_call_s,
                          stream.prefill_s)
