@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -147,6 +149,32 @@ def ask(kube, ns: str, timeout: float) -> str:
     raise AssertionError(f"no answer through Service smol in {timeout:.0f} s: {last}")
 
 
+def restart_timeline(kube, ns: str, deleted_at: float) -> dict:
+    """Where a group restart's time goes, from the new pods (the API server's clock, whole seconds) and each
+    stage's log lines where vLLM times its own start."""
+    def since(stamp: str) -> float:  # RFC 3339, to the second (objects) or the nanosecond (log lines)
+        whole, _, frac = stamp.rstrip("Z").partition(".")
+        return round(datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{frac or 0}") - deleted_at, 1)
+    out = {}
+    for name, pod in sorted(pods(kube, ns).items()):
+        status = pod.get("status", {})
+        started = [c["state"]["running"]["startedAt"] for c in status.get("containerStatuses", [])
+                   if "running" in c.get("state", {})]
+        ready_at = [c["lastTransitionTime"] for c in status.get("conditions", []) if c["type"] == "Ready"]
+        log = kube.kubectl("logs", "--timestamps", "-n", ns, name).stdout
+        lines = [(since(m[1]), m[2]) for m in re.finditer(r"^(\d{4}-\d\d-\d\dT[\d:.]+Z) (.*)$", log, re.M)]
+        out[name] = {"created": since(pod["metadata"]["creationTimestamp"]),
+                     "container started": since(started[0]) if started else None,
+                     "ready": since(ready_at[0]) if ready_at else None,
+                     "log": [f"{at} {text.split('] ', 1)[-1][:140]}" for at, text in lines
+                             if re.search(MILESTONES, text)] + [f"{at} (last line)" for at, _ in lines[-1:]]}
+    return out
+
+
+# the log lines that show where a stage's start goes: the launcher's record, vLLM's own timings, serving
+MILESTONES = r"vllm-hybrid resolved|\b(took|takes)\b [\d.]+ ?s|Starting vLLM|startup complete|Uvicorn running|[Ww]aiting"
+
+
 def shm_entries() -> set[str]:
     return {os.path.join(d, n) for d, dirs, files in os.walk("/dev/shm") for n in dirs + files}
 
@@ -185,7 +213,7 @@ def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, mod
 
     # one stage's pod deleted: the operator restarts the whole group, which serves again
     before = {n: p["metadata"]["uid"] for n, p in pods(kube, ns).items()}
-    t0 = time.monotonic()
+    t0, deleted_at = time.monotonic(), time.time()
     kube.kubectl("delete", "pod", "smol-tail-0", "-n", ns, "--wait=false")
     # the resource stops saying Ready as soon as a pod goes (the pod event refreshes the status)
     times["pod deleted to Ready=False"] = round(kube.wait(lambda: not ready(kube, ns), 5, "Ready=False", 0.1), 1)
@@ -194,6 +222,7 @@ def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, mod
     kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after the group restart", interval=2)
     assert "Paris" in ask(kube, ns, 60)
     times["pod deleted to answer (group restart)"] = round(time.monotonic() - t0, 1)
+    times["group restart timeline (s after the delete)"] = restart_timeline(kube, ns, deleted_at)
 
     # scale to 0 (no pods) and back to 1
     kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=0")
