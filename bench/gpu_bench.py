@@ -31,7 +31,7 @@ from vllm_hybrid import hostmem
 from vllm_hybrid.cpubind import parse_cpulist
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B, LLAMA_3_1_70B, MIXTRAL_8X7B, make_shaped_model
+from vllm_hybrid.tinymodel import LLAMA_3_1_8B, LLAMA_3_1_70B, MIXTRAL_8X7B, QWEN2_57B_A14B, make_shaped_model
 
 OUT = Path(os.environ.get("HYBRID_BENCH_OUT", "bench/results"))
 GPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_GPU_PYTHONPATH", ""), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
@@ -47,7 +47,8 @@ TTFT_TOKENS = [int(n) for n in os.environ.get("HYBRID_BENCH_TTFT", "1024,4096").
 SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64,
              max_num_batched_tokens=int(os.environ.get("HYBRID_BENCH_BATCHED_TOKENS", "4096")))
 # HYBRID_BENCH_MODEL: the shape served (the p-* configurations plan its split from the box's memories)
-MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral-8x7b": MIXTRAL_8X7B}
+MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral-8x7b": MIXTRAL_8X7B,
+          "qwen2-57b-a14b": QWEN2_57B_A14B}
 MODEL = os.environ.get("HYBRID_BENCH_MODEL", "llama-3.1-8b")
 VOCAB = MODELS[MODEL]["vocab_size"]
 OFFLOAD_GIB = 6.5  # = decoder layers 16-31 of the 8B shape in bf16 (16 x 0.406 GiB)

@@ -596,8 +596,9 @@ def patch_experts(routed_experts, unquantized, base_loader) -> None:
         key = getattr(layer, "_hybrid_layer", None)
         if key is None:
             return original_apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-        if shared_experts is not None:
-            refuse("a MoE layer whose kernel computes shared experts")
+        if shared_experts is not None:  # what upstream's modular kernel does with them: run them here only if they
+            from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder  # overlap it
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)  # (else the runner does)
         return torch.ops.hybrid.experts_moe(x, topk_weights, topk_ids, key)
 
     @functools.wraps(original_monolithic)

@@ -17,11 +17,13 @@ GiB = 1 << 30
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Qwen3_5ForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM",
-    "MixtralForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM",
 }
-# Mixture of experts in every layer, the same Llama layout otherwise: config keys of the expert count
-# and of the experts each token is routed to.
-MOE_EXPERTS_KEY = {"MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok")}
+# Mixture of experts in every layer, the same Llama layout otherwise: config keys of the expert count, of the
+# experts each token is routed to, of a routed expert's width, and of the shared expert's width (every token).
+MOE_EXPERTS_KEY = {"MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok", "intermediate_size", None),
+                   "Qwen2MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                           "shared_expert_intermediate_size")}
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # Memory a stage needs beyond weights and KV: CUDA context/graphs/activations on GPU stages,
 # the Python/torch runtime and compile caches on CPU stages.
@@ -42,6 +44,7 @@ class ModelShape:
     dtype: str
     experts: int = 0  # mixture of experts: gated MLPs per layer, each `intermediate` wide, and a router
     routed: int = 0   # and how many of them each token runs
+    shared: int = 0   # and a shared expert of this width that every token runs (with its 1-wide gate)
 
     @property
     def dtype_bytes(self) -> int:
@@ -51,9 +54,10 @@ class ModelShape:
     def layer_tensors(self) -> list[int]:
         """Elements of each weight of a layer as vLLM holds it: fused qkv, o, gate_up and down (one tensor
         over every expert in a mixture of experts, plus its router), the two norms."""
-        h, hd, i, e = self.hidden, self.head_dim, self.intermediate, max(1, self.experts)
+        h, hd, i, e, s = self.hidden, self.head_dim, self.intermediate, max(1, self.experts), self.shared
         qkv, o = (self.heads + 2 * self.kv_heads) * hd * h, h * self.heads * hd
-        return [qkv, o, e * 2 * i * h, e * h * i, h, h] + ([e * h] if self.experts else [])
+        return ([qkv, o, e * 2 * i * h, e * h * i, h, h] + ([e * h] if self.experts else [])
+                + ([2 * s * h, h * s, h] if s else []))
 
     @property
     def layer_bytes(self) -> int:
@@ -131,14 +135,20 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
     try:
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
+        moe = {}
+        if arch in MOE_EXPERTS_KEY:
+            experts, routed, width, shared = MOE_EXPERTS_KEY[arch]
+            if int(text.get("decoder_sparse_step", 1)) != 1 or text.get("mlp_only_layers"):
+                raise PlanError(f"model: {arch} with dense MLP layers between its MoE ones (decoder_sparse_step, "
+                                "mlp_only_layers) is not supported: every layer must be a mixture of experts")
+            moe = {"experts": int(text[experts]), "routed": int(text[routed]), "intermediate": int(text[width]),
+                   "shared": int(text[shared]) if shared else 0}
         return ModelShape(
             architecture=arch, num_layers=int(text["num_hidden_layers"]), hidden=hidden,
-            intermediate=int(text["intermediate_size"]), heads=heads,
+            **{"intermediate": int(text["intermediate_size"]), **moe}, heads=heads,
             kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype,
-            **({"experts": int(text[MOE_EXPERTS_KEY[arch][0]]), "routed": int(text[MOE_EXPERTS_KEY[arch][1]])}
-               if arch in MOE_EXPERTS_KEY else {}))
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype)
     except KeyError as e:
         raise PlanError(f"model: config.json lacks {e.args[0]}") from e
 

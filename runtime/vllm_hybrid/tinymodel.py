@@ -41,16 +41,24 @@ def train_tokenizer(out: Path, vocab_size: int = 512) -> int:
 
 def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                     intermediate: int = 256, dtype: str = "float32", seed: int = 0,
-                    max_positions: int = 2048, experts: int = 0) -> Path:
+                    max_positions: int = 2048, experts: int = 0, shared: int = 0) -> Path:
     """Writes config.json, safetensors weights and the tokenizer to `out` (idempotent). experts > 0:
-    a Mixtral (mixture of experts, 2 routed per token) of the same size, each expert `intermediate` wide."""
+    a Mixtral (mixture of experts, 2 routed per token) of the same size, each expert `intermediate` wide;
+    and shared > 0: a Qwen2-MoE instead, whose every token also runs a shared expert `shared` wide."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
 
     out = Path(out)
     marker = out / "hybrid-tiny.json"
     spec = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                dtype=dtype, seed=seed, max_positions=max_positions, experts=experts)
+                dtype=dtype, seed=seed, max_positions=max_positions, experts=experts, shared=shared)
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +70,11 @@ def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: 
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                   # wider init than 0.02: peaked logits, so greedy decoding has no near-ties
                   initializer_range=0.1, torch_dtype=dtype)
-    if experts:
+    if experts and shared:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=intermediate, norm_topk_prob=False,
+            shared_expert_intermediate_size=shared, decoder_sparse_step=1, mlp_only_layers=[], **common))
+    elif experts:
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -97,6 +109,16 @@ MIXTRAL_8X7B = {
     "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
     "hidden_act": "silu", "tie_word_embeddings": False, "router_aux_loss_coef": 0.02,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+# a fine-grained mixture of experts with a shared expert: 64 experts of 2560, 8 routed, one shared of 20480
+QWEN2_57B_A14B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 3584,
+    "intermediate_size": 18944, "moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "router_aux_loss_coef": 0.001,
+    "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
 }
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -224,14 +224,16 @@ def test_instance_answers_restarts_scales_and_leaves_nothing(node, operator, mod
     times["pod deleted to answer (group restart)"] = round(time.monotonic() - t0, 1)
     times["group restart timeline (s after the delete)"] = restart_timeline(kube, ns, deleted_at)
 
-    # scale to 0 (no pods) and back to 1
-    kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=0")
-    kube.wait(lambda: not pods(kube, ns), 120, f"{ns}: no pods at replicas 0", interval=1)
-    t0 = time.monotonic()
-    kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=1")
-    kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after scaling back to 1", interval=2)
-    assert "Paris" in ask(kube, ns, 60)
-    times["scale 0 -> 1 to answer"] = round(time.monotonic() - t0, 1)
+    # scale to 0 (no pods) and back to 1: the scale subresource and the StatefulSets do not depend on the pods'
+    # security mode, so one mode (the restricted one, where most clusters run) shows it and CI saves a minute
+    if mode == "restricted":
+        kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=0")
+        kube.wait(lambda: not pods(kube, ns), 120, f"{ns}: no pods at replicas 0", interval=1)
+        t0 = time.monotonic()
+        kube.kubectl("scale", "hi", "smol", "-n", ns, "--replicas=1")
+        kube.wait(lambda: ready(kube, ns), 600, f"{ns}/smol Ready after scaling back to 1", interval=2)
+        assert "Paris" in ask(kube, ns, 60)
+        times["scale 0 -> 1 to answer"] = round(time.monotonic() - t0, 1)
 
     # delete: no pod, no child, no Job left, and nothing new in the host's /dev/shm
     t0 = time.monotonic()

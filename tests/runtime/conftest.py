@@ -19,3 +19,10 @@ def reference_ids(tiny_llama):
 def tiny_mixtral(tmp_path_factory):
     """The same, as a mixture of experts (Mixtral: 4 experts, 2 routed per token)."""
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-mixtral", layers=4, dtype="float32", experts=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory):
+    """A mixture of experts with a shared expert that every token runs (Qwen2-MoE: 4 experts, 2 routed)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-qwen2-moe", layers=4, dtype="float32", experts=4,
+                           shared=192)

@@ -323,17 +323,20 @@ def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_o
 
 
 @pytest.mark.slow
-def test_tiny_mixtral_with_remote_experts_gives_single_process_tokens(tiny_mixtral, tmp_path):
+@pytest.mark.parametrize("model", ["tiny_mixtral", "tiny_qwen2_moe"])
+def test_tiny_moe_with_remote_experts_gives_single_process_tokens(model, tmp_path, request):
     """Half of each layer's experts in the expert server (another process), steps of up to 8 tokens computed
-    there (longer prompts' prefill from the region in the main stage): the same greedy tokens as vLLM alone."""
+    there (longer prompts' prefill from the region in the main stage): the same greedy tokens as vLLM alone,
+    for a Mixtral and for a Qwen2-MoE, whose shared expert stays with the main stage."""
+    tiny_moe = request.getfixturevalue(model)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    want = [r["ids"] for r in reference(tiny_mixtral, PROMPTS, MAX_TOKENS, env=env)]
+    want = [r["ids"] for r in reference(tiny_moe, PROMPTS, MAX_TOKENS, env=env)]
     remote = dict(enumerate(experts.place(4, 4, 2)))
     path = str(tmp_path / "s.experts")
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        got = reference(tiny_mixtral, PROMPTS, MAX_TOKENS, env={
+        got = reference(tiny_moe, PROMPTS, MAX_TOKENS, env={
             **env, "HYBRID_PIPELINE": "1", experts.SOCKET_ENV: path, experts.MAX_ROWS_ENV: "8",
             experts.REMOTE_ENV: experts.format_placement(remote)})
         out, _ = proc.communicate(timeout=60)

@@ -98,6 +98,20 @@ def test_mixtral_counts_every_expert_and_its_router():
     assert 93.0e9 < total < 93.8e9  # Mixtral-8x7B's 46.7B parameters in bf16
 
 
+def test_qwen2_moe_counts_its_fine_grained_experts_and_the_shared_one():
+    from vllm_hybrid.tinymodel import QWEN2_57B_A14B
+    s = model_shape(QWEN2_57B_A14B)
+    assert (s.experts, s.routed, s.intermediate, s.shared) == (64, 8, 2560, 20480)  # routed experts' width
+    assert s.expert_elems == 3 * 2560 * 3584 and s.layer_expert_bytes == 64 * s.expert_elems * 2
+    shared = 3 * 20480 * 3584 + 3584  # every token runs it: not an expert a step may leave unread
+    assert s.layer_bytes - s.layer_expert_bytes == 2 * (3584 * 128 * (2 * 28 + 2 * 4) + 64 * 3584 + 2 * 3584 + shared)
+    assert s.layer_read_bytes(1) == s.layer_bytes - 56 * s.expert_elems * 2
+    total = 28 * s.layer_bytes + 2 * s.embedding_bytes
+    assert 114.0e9 < total < 115.5e9  # Qwen2-57B-A14B's 57.4B parameters in bf16
+    with pytest.raises(PlanError, match="every layer must be a mixture of experts"):
+        model_shape({**QWEN2_57B_A14B, "decoder_sparse_step": 2})
+
+
 def test_a_mixture_of_experts_step_reads_the_experts_its_tokens_route_to():
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B
     s, expert = model_shape(MIXTRAL_8X7B), 2 * 3 * 4096 * 14336
