@@ -181,16 +181,19 @@ def test_coprocessor_identity(tiny, graphs):
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_experts_identity(tmp_path_factory, graphs):
-    """strategy experts: the GPU stage runs every layer of a Mixtral (4 experts, 2 routed) with one expert per
-    layer; the other 3 live in the CPU stage's region and its expert server computes them for the tokens routed
-    there (memops; captured in CUDA graphs with `graphs`); the long prompt's step computes them on the GPU from
-    the region. Greedy tokens equal single-process vLLM on the GPU."""
-    moe = make_tiny_llama(tmp_path_factory.mktemp("moe") / "tiny-mixtral", layers=4, dtype="float32", experts=4)
+@pytest.mark.parametrize("shared", [0, 192], ids=["mixtral", "qwen2-moe"])
+def test_experts_identity(tmp_path_factory, graphs, shared):
+    """strategy experts: the GPU stage runs every layer of a Mixtral (4 experts, 2 routed), or of a Qwen2-MoE (the
+    same and a shared expert every token runs, on the GPU), with one expert per layer; the other 3 live in the CPU
+    stage's region and its expert server computes them for the tokens routed there (memops; captured in CUDA
+    graphs with `graphs`); the long prompt's step computes them on the GPU from the region. Greedy tokens equal
+    single-process vLLM on the GPU."""
+    moe = make_tiny_llama(tmp_path_factory.mktemp("moe") / f"tiny-moe-{shared}", layers=4, dtype="float32", experts=4,
+                          shared=shared)
     gpu_env = {**GPU_ENV, "TRITON_F32_DEFAULT": "ieee"}  # float32 Triton MoE as IEEE, as the reference (see above)
     prompts = [*PROMPTS, long_prompt(moe)]
     ref = [r["ids"] for r in reference(moe, prompts, MAX_TOKENS, env=gpu_env, gpu_memory_utilization=0.3)]
-    name = f"f32-experts-{'graphs' if graphs else 'eager'}"
+    name = f"f32-experts{'-qwen2-moe' if shared else ''}-{'graphs' if graphs else 'eager'}"
     plan = {"model": str(moe), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
             "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
