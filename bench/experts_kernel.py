@@ -58,7 +58,7 @@ def step_s(layers: list, tokens: int, seed: int) -> tuple[float, int]:
 def measure(kernel: str) -> dict:
     flat, raw = region()
     layers = [experts.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
-    got = {"kernel": "torch GEMMs" if layers[0].packed is None else layers[0].kernel}
+    got = {"kernel": layers[0].kernel_name}
     for t in TOKENS:
         runs = [step_s(layers, t, seed=s) for s in range(STEPS + 1)][1:]  # the first warms up
         ms = statistics.median(s for s, _ in runs) * 1e3

