@@ -677,6 +677,40 @@ def patch_cpu_masked_input(vocab_embedding) -> None:
     APPLIED.append("vocab_parallel_embedding.get_masked_input_and_mask(CPU: eager)")
 
 
+def remember_vec_isa_checks(cache_root: str) -> None:
+    # torch._inductor.cpu_vec_isa.VecISA.check_build: the first C++ compile of every process (vLLM's sampler
+    # is torch.compile'd even with --enforce-eager) probes each vector ISA by loading a test library in a fresh
+    # `python -c "import torch ..."`: 10 interpreters, 16 s of every CPU stage's start on 2 cores, cache or not.
+    # The answer depends only on the CPU, the compiler and torch: keep it under the compile cache (a pod's
+    # cache volume), so a restart asks once per node.
+    import hashlib
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+    record = os.path.join(cache_root, "hybrid-vec-isa")
+    check_build = cpu_vec_isa.VecISA.check_build
+    cpu_flags = ",".join(cpu_vec_isa.x86_isa_checker()) if platform.machine() in ("x86_64", "AMD64") else ""
+    machine = f"{platform.machine()}={cpu_flags}={get_compiler_version_info(get_cpp_compiler())}"
+
+    @functools.wraps(check_build)
+    def remembered_check_build(self, code: str) -> bool:
+        key = hashlib.sha256(f"{machine}={self._arch_flags}={code}".encode()).hexdigest()[:32]
+        path = os.path.join(record, f"{key}-{cpu_vec_isa.torch.__version__}")
+        with contextlib.suppress(OSError):
+            return open(path).read() == "1"
+        ok = check_build(self, code)
+        with contextlib.suppress(OSError):  # a read-only cache only costs the probe again
+            os.makedirs(record, exist_ok=True)
+            with open(f"{path}.{os.getpid()}", "w") as f:
+                f.write("1" if ok else "0")
+            os.replace(f"{path}.{os.getpid()}", path)  # whole or absent: processes of a group start at once
+        return ok
+
+    cpu_vec_isa.VecISA.check_build = remembered_check_build
+    APPLIED.append(f"VecISA.check_build(remembered in {record})")
+
+
 def journal_shm_names(journal: str) -> None:
     # Not upstream functions: multiprocessing's SharedMemory.__init__ and SemLock.__init__, what vLLM's
     # message queues and locks are made of, append each /dev/shm name they create to the stage's journal
@@ -739,6 +773,8 @@ def apply_all() -> list[str]:
     if os.environ.get("HYBRID_EXPECT_OFFLOADER"):
         patch_check_offloader(gpu_worker)
     if current_platform.is_cpu():
+        import vllm.envs
+        remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT)
         from vllm.compilation import decorators
         from vllm.model_executor.layers import vocab_parallel_embedding
         patch_no_cpu_aot_load(decorators)

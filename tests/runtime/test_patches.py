@@ -1,4 +1,5 @@
 """Patches that can be checked in-process, against the real vLLM functions they wrap."""
+import pytest
 import torch
 from vllm.model_executor.model_loader import dummy_loader
 from vllm_hybrid import patches
@@ -127,3 +128,21 @@ def test_a_segment_still_mapped_at_the_next_start_is_removed_at_that_runs_end(tm
     t0 = time.monotonic()
     janitor.finish()
     assert name not in os.listdir("/dev/shm") and time.monotonic() - t0 < 1
+
+
+def test_vector_isa_probes_are_remembered_per_cpu_compiler_and_torch(tmp_path, monkeypatch):
+    from torch._inductor import cpu_vec_isa
+    probes = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(code) or len(code) % 2 == 0)
+    monkeypatch.setattr(patches, "APPLIED", [])
+    patches.remember_vec_isa_checks(str(tmp_path))
+    isa = cpu_vec_isa.VecAVX2()
+    first = isa.check_build("int main() {}")
+    assert [isa.check_build("int main() {}") for _ in range(3)] == [first] * 3
+    assert probes == ["int main() {}"]  # probed once: the other answers came from the record
+    assert isa.check_build("int f();") is (len("int f();") % 2 == 0) and len(probes) == 2  # other code: probed
+    assert len(list((tmp_path / "hybrid-vec-isa").iterdir())) == 2
+    # another process (another start of the stage) reads the record instead of probing
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: pytest.fail("probed again"))
+    patches.remember_vec_isa_checks(str(tmp_path))
+    assert cpu_vec_isa.VecAVX2().check_build("int main() {}") is first
