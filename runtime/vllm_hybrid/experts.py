@@ -22,6 +22,8 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
@@ -37,18 +39,22 @@ from . import hostmem
 from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
     BYTES_ENV,
+    COUNTS_ENV,
     DEFAULT_MAX_ROWS,
     MAX_ROWS_ENV,
     REMOTE_ENV,
     SOCKET_ENV,
+    counts_path,
     format_placement,
     parse_placement,
     place,
+    read_counts,
 )
 
 log = logging.getLogger("vllm_hybrid.experts")
 LINE = 64            # one cache line per word: the main stage's stores and the CPU's spins do not share lines
 REQ, LAYER, DONE = 0, 1, 2  # the words, in lines; req = the step's tokens (0: idle)
+COUNTS_EVERY_ENV = "HYBRID_EXPERTS_COUNTS_EVERY"  # seconds of serving between two saves of the routing counts
 
 
 # --- placement (pure: strategies/experts.py) and vLLM's expert map -------------------------------
@@ -496,6 +502,55 @@ class Held:
         return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
 
 
+class RoutingCounts:
+    """Routed (token, expert) pairs per MoE layer, counted on the main stage's device (an index_add_ per layer, so
+    CUDA graphs replay it) from the first real step on, and added to what earlier runs left in `path` every
+    `every_s` seconds of serving: the next start places the least-routed experts on the CPU pod."""
+
+    def __init__(self, path: str | None, every_s: float = 60.0):
+        self.path, self.every_s = path, every_s
+        self.live: dict[int, torch.Tensor] = {}
+        self.saved_at: float | None = None  # None until serving: warm-up and graph capture route dummy tokens
+        self.base: dict[str, list[int]] = {}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            self.base = {k: [int(c) for c in v] for k, v in json.load(open(path))["counts"].items()}
+
+    def track(self, layer: int, experts: int, device: str) -> None:
+        self.live[layer] = torch.zeros(experts, dtype=torch.int64, device=device)
+
+    def add(self, layer: int, topk_ids: torch.Tensor) -> None:
+        ids = topk_ids.reshape(-1).long()
+        self.live[layer].index_add_(0, ids, torch.ones_like(ids))
+
+    def serving(self) -> None:
+        """Before the first real step: forget the dummy steps' routing."""
+        if self.saved_at is None:
+            for t in self.live.values():
+                t.zero_()
+            self.saved_at = time.monotonic()
+
+    def maybe_save(self, top_k: int) -> None:
+        if self.path is None or self.saved_at is None or time.monotonic() - self.saved_at < self.every_s:
+            return
+        self.saved_at = time.monotonic()
+        layers = sorted(self.live)
+        live = torch.stack([self.live[layer] for layer in layers]).tolist()  # one sync, once a period
+        counts = dict(self.base)
+        for layer, row in zip(layers, live):
+            old = self.base.get(str(layer), [0] * len(row))
+            counts[str(layer)] = [a + b for a, b in zip(old, row)] if len(old) == len(row) else row
+        tokens = max((sum(row) for row in counts.values()), default=0) // max(top_k, 1)
+        tmp = f"{self.path}.{os.getpid()}"
+        try:  # counts help the next start; a full or read-only cache must not stop serving
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump({"tokens": tokens, "top_k": top_k, "counts": counts}, f)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("experts: routing counts not saved to %s: %s", self.path, e)
+            self.path = None
+
+
 class Client(RegionClient):
     """The main stage's session with its CPU pod: the region its loader fills, the manifest, the hand-over."""
     server = "strategy experts: the expert server"
@@ -507,6 +562,7 @@ class Client(RegionClient):
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None
         self.dtype = self.top_k = self.hidden = None
+        self.counts = RoutingCounts(None)
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=self.device == "cuda")  # large steps copy from it
@@ -523,9 +579,10 @@ class Client(RegionClient):
                                f"of the region ({BYTES_ENV})")
         return room
 
-    def hold(self, layer: int, w13_shape, w2_shape, dtype: torch.dtype, top_k: int) -> Held:
-        """Region storage for layer's remote experts (the loader writes them in place)."""
+    def hold(self, layer: int, w13_shape, w2_shape, dtype: torch.dtype, top_k: int, num_experts: int) -> Held:
+        """Region storage for layer's remote experts (the loader writes them in place); the layer's routing counted."""
         self.dtype, self.top_k, self.hidden = dtype, top_k, w13_shape[1]
+        self.counts.track(layer, num_experts, self.device)
         ids = self.remote[layer]
         # each layer's experts back to back, so the server can pack them for its grouped kernel in place
         w13, w2 = (self.take(torch.empty(len(ids), *shape, dtype=dtype, device="meta")) for shape in (w13_shape, w2_shape))
@@ -573,6 +630,7 @@ class Client(RegionClient):
         """The whole layer: the CPU pod computes the remote experts while the main stage computes its own (`local`,
         default the layer's: f(x, topk_weights, topk_ids))."""
         rows, local = x.shape[0], local or self.local[layer]
+        self.counts.add(layer, topk_ids)
         if self.side is None:
             raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
                                "BaseModelLoader.load_model?)")
@@ -591,6 +649,7 @@ def client_from_env(device: str, env=os.environ) -> Client:
     global CLIENT
     if CLIENT is None:
         client = Client(parse_placement(env.get(REMOTE_ENV, "")), int(env.get(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)), device)
+        client.counts = RoutingCounts(env.get(COUNTS_ENV) or None, float(env.get(COUNTS_EVERY_ENV, 60)))
         client.connect(env[SOCKET_ENV])
         CLIENT = client
     return CLIENT

@@ -493,7 +493,7 @@ def patch_coprocessor(prefetch, linear) -> None:
                    "region, products split with it)")
 
 
-def patch_experts(routed_experts, unquantized, base_loader) -> None:
+def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> None:
     # strategy experts (experts.py), in the main stage: some routed experts of each MoE layer live in the CPU pod.
     # - vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.__init__: before its weights are created,
     #   the layer's ExpertMapManager gets the map its expert-parallel path builds for a rank (global id -> local
@@ -503,6 +503,8 @@ def patch_experts(routed_experts, unquantized, base_loader) -> None:
     # - RoutedExperts.weight_loader: upstream drops an expert the map says is not local; a remote one is written
     #   into its room in the region instead, with upstream's own w1/w3 (halves of w13) and w2 shard helpers.
     # - base_loader.BaseModelLoader.load_model: once the weights are in, the manifest goes to the CPU pod.
+    # - gpu_worker.Worker.execute_model (CPUWorker inherits it): the routing counts start at the first real step
+    #   (warm-up and graph capture route dummy tokens) and are saved for the next start's placement now and then.
     # - UnquantizedFusedMoEMethod.apply (the modular path, CUDA: called with the router's top-k in global ids) and
     #   .apply_monolithic (the CPU backend, which routes inside; routed here with its own select_experts): such
     #   layers go through the opaque op experts.experts_moe, which hands the remote experts' tokens to the CPU pod,
@@ -551,7 +553,7 @@ def patch_experts(routed_experts, unquantized, base_loader) -> None:
             need = client.region_bytes(sum(map(len, placement.values())), w13, w2, self.w13_weight.dtype)
             where = client.open_weights(int(os.environ.get(experts.BYTES_ENV) or need))
             logger.info("experts: remote experts' weights go to the CPU pod's region, %s", where)
-        client.hold(layer, w13, w2, self.w13_weight.dtype, self.top_k)
+        client.hold(layer, w13, w2, self.w13_weight.dtype, self.top_k, moe_config.num_experts)
         client.local[layer] = functools.partial(local_experts, self)
         self._hybrid_layer = layer
 
@@ -613,11 +615,24 @@ def patch_experts(routed_experts, unquantized, base_loader) -> None:
             layer.e_score_correction_bias)
         return torch.ops.hybrid.experts_moe(x, topk_weights, topk_ids, key)
 
+    step_original = gpu_worker.Worker.execute_model
+
+    @functools.wraps(step_original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        client = experts.CLIENT
+        if client is None:
+            return step_original(self, scheduler_output, *args, **kwargs)
+        client.counts.serving()
+        out = step_original(self, scheduler_output, *args, **kwargs)
+        client.counts.maybe_save(client.top_k)
+        return out
+
     cls.__init__, cls.weight_loader = __init__, weight_loader
     method_cls.apply, method_cls.apply_monolithic = apply, apply_monolithic
+    gpu_worker.Worker.execute_model = execute_model
     base_loader.BaseModelLoader.load_model = load_model
     APPLIED.append("RoutedExperts.__init__/weight_loader + UnquantizedFusedMoEMethod.apply(_monolithic) + "
-                   "BaseModelLoader.load_model(experts: remote experts in the CPU pod's region, computed there)")
+                   "BaseModelLoader.load_model + Worker.execute_model(experts: remote experts in the CPU pod's region, computed there)")
 
 
 def patch_check_offloader(gpu_worker) -> None:
@@ -788,7 +803,7 @@ def apply_all() -> list[str]:
     if os.environ.get("HYBRID_EXPERTS_SOCKET"):
         from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
         from vllm.model_executor.model_loader import base_loader
-        patch_experts(routed_experts, unquantized_fused_moe_method, base_loader)
+        patch_experts(routed_experts, unquantized_fused_moe_method, base_loader, gpu_worker)
     from . import gemm_split
     if current_platform.is_cpu() and gemm_split.enabled():
         from vllm.model_executor.layers import utils as layer_utils

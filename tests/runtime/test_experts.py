@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         nbytes = client.region_bytes(5, (2 * INTER, H), (H, INTER), dtype)
         assert "shmem" in client.open_weights(nbytes)
         for layer, ids in remote.items():
-            held = client.hold(layer, (2 * INTER, H), (H, INTER), dtype, K)
+            held = client.hold(layer, (2 * INTER, H), (H, INTER), dtype, K, E)
             for e, (w13, w2) in zip(ids, held.weights):  # what the main stage's loader does
                 w13.copy_(weights[layer][e][0])
                 w2.copy_(weights[layer][e][1])
@@ -235,7 +236,7 @@ def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
         client = experts.Client({0: [1]}, max_rows=4)
         client.connect(path, timeout=60)
         client.open_weights(client.region_bytes(1, (2 * INTER, H), (H, INTER), torch.float32))
-        client.hold(0, (2 * INTER, H), (H, INTER), torch.float32, K)
+        client.hold(0, (2 * INTER, H), (H, INTER), torch.float32, K, E)
         client.publish()
         proc.kill()
         proc.wait()
@@ -267,6 +268,31 @@ def test_placement_by_frequency_puts_the_least_routed_experts_remote():
     assert experts.place(3, 4, 4 / 3, freq) == [[1], [0, 2], [0]]
     with pytest.raises(ValueError, match="frequencies"):
         experts.place(2, 4, 1, freq)
+
+
+def test_routing_counts_start_with_serving_and_add_to_what_earlier_runs_kept(tmp_path):
+    path = tmp_path / "cache" / "counts.json"
+    first = experts.RoutingCounts(str(path), every_s=0)
+    first.track(0, 4, "cpu")
+    first.track(2, 4, "cpu")
+    first.add(0, torch.tensor([[0, 1]]))  # a warm-up step's dummy tokens: forgotten
+    first.serving()
+    first.add(0, torch.tensor([[0, 1], [1, 3]]))
+    first.add(2, torch.tensor([[2, 2]]))
+    first.maybe_save(top_k=2)
+    assert json.loads(path.read_text()) == {"tokens": 2, "top_k": 2, "counts": {"0": [1, 2, 0, 1], "2": [0, 0, 2, 0]}}
+    second = experts.RoutingCounts(str(path), every_s=0)  # the next start of the stage
+    second.track(0, 4, "cpu")
+    second.serving()
+    second.add(0, torch.tensor([[3, 3]]))
+    second.maybe_save(top_k=2)
+    assert json.loads(path.read_text())["counts"] == {"0": [1, 2, 0, 3], "2": [0, 0, 2, 0]}
+    counts, how = experts.read_counts(str(path), 4, 4)
+    assert counts == [[1, 2, 0, 3], [0] * 4, [0, 0, 2, 0], [0] * 4] and how.startswith("by routing counts of 3 tokens")
+    assert experts.read_counts(str(path), 4, 8) == (None, f"evenly ({path} counts another shape than 4 layers x 8 experts)")
+    path.write_text("{")
+    assert experts.read_counts(str(path), 4, 4)[1].startswith(f"evenly ({path} unreadable: JSONDecodeError")
+    assert experts.read_counts(str(tmp_path / "none.json"), 4, 4) == (None, "evenly (no routing counts yet)")
 
 
 def test_placement_env_and_expert_map():
@@ -320,6 +346,14 @@ def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_o
     # explicit layers (no GPU memory to size by): the cpu stage's 2 layers' worth of experts, 2 of each layer's 4
     assert resolved(gpu)["cpu_experts"] == 8 and resolved(gpu)["experts"].endswith("s1.experts")
     assert "--max-cudagraph-capture-size 64" in gpu.stdout
+    assert resolved(gpu)["placement"] == "evenly (no routing counts yet)"
+    # routing counts an earlier run kept (in VLLM_CACHE_ROOT, a pod's cache volume): the least-routed go remote
+    env["VLLM_CACHE_ROOT"] = str(tmp_path / "cache")
+    counts = experts.counts_path(env, str(tiny_mixtral), 4, 4)
+    os.makedirs(os.path.dirname(counts))
+    Path(counts).write_text(json.dumps({"tokens": 50, "counts": {"0": [40, 30, 10, 20], "1": [5, 45, 25, 25]}}))
+    gpu = run("0", "0-1")
+    assert resolved(gpu)["placement"] == f"by routing counts of 50 tokens ({counts})"
 
 
 @pytest.mark.slow
@@ -332,13 +366,14 @@ def test_tiny_moe_with_remote_experts_gives_single_process_tokens(model, tmp_pat
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     want = [r["ids"] for r in reference(tiny_moe, PROMPTS, MAX_TOKENS, env=env)]
     remote = dict(enumerate(experts.place(4, 4, 2)))
-    path = str(tmp_path / "s.experts")
+    path, counts = str(tmp_path / "s.experts"), tmp_path / "counts.json"
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         got = reference(tiny_moe, PROMPTS, MAX_TOKENS, env={
             **env, "HYBRID_PIPELINE": "1", experts.SOCKET_ENV: path, experts.MAX_ROWS_ENV: "8",
-            experts.REMOTE_ENV: experts.format_placement(remote)})
+            experts.REMOTE_ENV: experts.format_placement(remote), experts.COUNTS_ENV: str(counts),
+            experts.COUNTS_EVERY_ENV: "0"})
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -347,3 +382,9 @@ def test_tiny_moe_with_remote_experts_gives_single_process_tokens(model, tmp_pat
     # every decode step of every layer went to the server (and the warm-up's)
     assert steps >= len(PROMPTS) * (MAX_TOKENS - 1) * 4 and reads > 0
     assert [r["ids"] for r in got] == want
+    # the routing it counted for the next start's placement: every real token of every layer, top-2, and none of
+    # the warm-up's 512 dummy tokens
+    kept = json.loads(counts.read_text())
+    totals = {sum(row) for row in kept["counts"].values()}
+    assert sorted(kept["counts"]) == ["0", "1", "2", "3"] and totals == {2 * kept["tokens"]}, kept
+    assert len(PROMPTS) * MAX_TOKENS <= kept["tokens"] < 512, kept

@@ -4,6 +4,9 @@ for the tokens routed there in decode-sized steps (experts.py, run instead of vL
 is patches.patch_experts). Larger steps compute them on the gpu from that memory. docs/design-experts.md."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
 
 from ..plan import Plan, PlanError
@@ -15,8 +18,9 @@ from .offload import prefetch_cost
 
 REGION_SLACK = 64 << 20  # the region beyond the experts' bytes: 4 KiB alignment of each tensor, rounding
 # the gpu stage's env (patches.patch_experts); also what vllm_hybrid.experts reads
-SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV = (
-    "HYBRID_EXPERTS_SOCKET", "HYBRID_EXPERTS_BYTES", "HYBRID_EXPERTS_REMOTE", "HYBRID_EXPERTS_MAX_ROWS")
+SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV, COUNTS_ENV = (
+    "HYBRID_EXPERTS_SOCKET", "HYBRID_EXPERTS_BYTES", "HYBRID_EXPERTS_REMOTE", "HYBRID_EXPERTS_MAX_ROWS",
+    "HYBRID_EXPERTS_COUNTS")
 DEFAULT_MAX_ROWS = 64  # larger steps compute the remote experts on the main stage's device
 
 
@@ -42,6 +46,35 @@ def place(num_layers: int, experts: int, remote_per_layer: float,
     order = [sorted(range(experts), key=lambda e, s=s: (s[e], e)) for s in shares]
     more = set(sorted(range(num_layers), key=lambda layer: (shares[layer][order[layer][base]], layer))[:extra])
     return [sorted(order[layer][:base + (layer in more)]) for layer in range(num_layers)]
+
+
+def counts_path(env: dict[str, str], model: str, layers: int, experts: int) -> str:
+    """Where the main stage keeps its routing counts: beside vLLM's compile cache (a pod's cache volume, so they
+    outlive the pod), one file per model."""
+    root = env.get("VLLM_CACHE_ROOT") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache"), "vllm")
+    key = hashlib.sha256(model.encode()).hexdigest()[:16]
+    return os.path.join(root, "hybrid-expert-counts", f"{key}-{layers}x{experts}.json")
+
+
+def read_counts(path: str, layers: int, experts: int) -> tuple[list[list[int]] | None, str]:
+    """The routed (token, expert) pairs per layer and expert that earlier runs counted (None: none usable), and
+    how the placement is made, for the stage's log."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        counts = [[0] * experts for _ in range(layers)]
+        for layer, row in data["counts"].items():
+            if not 0 <= int(layer) < layers or len(row) != experts:
+                return None, f"evenly ({path} counts another shape than {layers} layers x {experts} experts)"
+            counts[int(layer)] = [int(c) for c in row]
+    except FileNotFoundError:
+        return None, "evenly (no routing counts yet)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"evenly ({path} unreadable: {type(e).__name__}: {e})"
+    if not any(map(any, counts)):
+        return None, "evenly (no routing counted yet)"
+    return counts, f"by routing counts of {data.get('tokens', 0)} tokens ({path})"
 
 
 def format_placement(remote: dict[int, Sequence[int]]) -> str:
@@ -93,11 +126,12 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     return total * per_layer - min(fit, total * per_layer)
 
 
-def placement(plan: Plan, split: Split, gpu: int) -> list[list[int]]:
-    """Per layer, the global ids of the experts the cpu stage holds (evenly; experts.place)."""
+def placement(plan: Plan, split: Split, gpu: int, counts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Per layer, the global ids of the experts the cpu stage holds (given routing counts: the least routed;
+    else evenly; experts.place)."""
     shape = split.shape
     count = min(remote_count(plan, split, gpu), shape.num_layers * (shape.experts - 1))
-    return place(shape.num_layers, shape.experts, count / shape.num_layers)
+    return place(shape.num_layers, shape.experts, count / shape.num_layers, counts)
 
 
 class Experts(Strategy):
@@ -130,16 +164,18 @@ class Experts(Strategy):
         return Layout(self.name, (gpu,), (split.shape.num_layers,), (remote,), servers=((cpu, gpu),))
 
     def stage(self, plan, split, lay, ident, env) -> StageExtras:
-        cpu = next(c for c, g in lay.servers if g == ident.stage)
-        remote = placement(plan, split, ident.stage)
+        cpu, shape = next(c for c, g in lay.servers if g == ident.stage), split.shape
+        counts_file = counts_path(env, plan.model, shape.num_layers, shape.experts)
+        counts, placed = read_counts(counts_file, shape.num_layers, shape.experts)
+        remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS)),
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
-                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))),
-            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote)))))
+                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS)), (COUNTS_ENV, counts_file)),
+            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed)))
 
     def server(self, plan, lay, ident, env) -> Server | None:
         return cpu_pod_server(plan, lay, ident, env, "experts", "experts")
