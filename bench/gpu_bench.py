@@ -282,7 +282,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
         # where the weights live (balanced) and each stage's KV cache, for the host memory figures
         out["log_lines"] = [line.split("] ", 1)[-1] for text in logs for line in text.splitlines()
                             if "split with the GEMM helper on" in line or "KV cache size" in line
-                            or "coprocessor: " in line or "weights region:" in line
+                            or "coprocessor: " in line or "weights region:" in line or "measured at start" in line
                             or "Memory profiling" in line or "cpu_kvcache_space" in line.lower()]
         if strategy in ("offload", "coprocessor"):
             wanted = "UVAOffloader" if plan.get("offload_backend") == "uva" else "PrefetchOffloader"

@@ -20,7 +20,10 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
   GPU -> CPU {"weights_bytes"}             CPU -> GPU {"page"} + the weights region's fd
   (the GPU's loader fills the region; vLLM builds the model)
   GPU -> CPU {"dtype", "max_rows", "products": [[offset, n, k], ...]}
-                                           CPU -> GPU {"threads"} + the io region's fd
+                                           CPU -> GPU {"threads", "measured"} + the io region's fd
+  ("measured": the rates the CPU pod computes each product shape at, per step size, and its DRAM read rate,
+  timed on the weights at hand; the GPU times its copies from the region too and splits by both: the node is
+  measured at every start, no fitted figures)
   The connection stays open; when it closes (the GPU stage went), the server exits.
 """
 from __future__ import annotations
@@ -109,6 +112,7 @@ class IoViews:
 class Served:
     products: int = 0
     busy_s: float = 0.0  # computing (the rest of the time it waits for the GPU)
+    metrics: object = None  # the server's StageMetrics (serve_metrics)
 
 
 def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
@@ -129,6 +133,59 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
         served.products += 1
         served.busy_s += time.perf_counter() - t0
     return served.products
+
+
+MEASURE_ROWS = (1, 4, 16, 64)  # the step sizes the split is chosen for (DEFAULT_SHARES' bounds)
+MEASURE_S = 0.12  # per product shape and step size: a stage's start pays a second or two in all
+MIN_CPU_GAIN = 0.15  # split only where the CPU adds this share of the copy's rate (each split has a hand-over)
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
+
+
+def measure_products(ws: list[torch.Tensor], rows=MEASURE_ROWS, seconds: float = MEASURE_S) -> dict[str, dict[int, float]]:
+    """GB/s of weights this process's threads compute products at (what serve does), per product shape (N x K) and
+    step size; products of a shape taken in turn, so the weights come from DRAM as in a pass."""
+    by_shape: dict[str, list[torch.Tensor]] = {}
+    for w in ws:
+        by_shape.setdefault(shape_key(*w.shape), []).append(w)
+    out: dict[str, dict[int, float]] = {}
+    for key, group in by_shape.items():
+        n, k = group[0].shape
+        out[key] = {}
+        for t in rows:
+            x, y = torch.randn(t, k, dtype=group[0].dtype), torch.empty(t, n, dtype=group[0].dtype)
+            torch.matmul(x, group[-1].t(), out=y)  # first call: the kernel's own set-up
+            done, i, t0 = 0, 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < seconds or i == 0:
+                w = group[i % len(group)]
+                torch.matmul(x, w.t(), out=y)
+                done, i = done + w.numel() * w.element_size(), i + 1
+            out[key][t] = round(done / elapsed / 1e9, 2)
+    return out
+
+
+def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
+    """GB/s this process's threads read the region at (a sum over up to `nbytes` of it)."""
+    view = flat[:min(nbytes, flat.numel()) // 4 * 4].view(torch.int32)
+    view[: 1 << 20].sum()
+    t0 = time.perf_counter()
+    view.sum()
+    return round(view.numel() * 4 / (time.perf_counter() - t0) / 1e9, 2)
+
+
+def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:
+    """The GPU's share of a product's rows per step size, so the copy of rows [0, n0) and the CPU's rows end
+    together: copy / (copy + cpu). Step sizes where the CPU adds less than MIN_CPU_GAIN of the copy's rate, and
+    all larger ones, are not split: they stream every row, as the offloader alone would."""
+    out = []
+    for rows in sorted(cpu_gbs):
+        cpu = cpu_gbs[rows]
+        if cpu < MIN_CPU_GAIN * copy_gbs:
+            break
+        out.append((rows, round(copy_gbs / (copy_gbs + cpu), 3)))
+    return out
 
 
 class GpuSide:
@@ -163,7 +220,17 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     dtype = getattr(torch, manifest["dtype"])
     ws = [flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
     layout = IoLayout.for_shapes([(n, k) for _, n, k in manifest["products"]], manifest["max_rows"], dtype.itemsize)
-    io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes), layout, dtype)
+    t0 = time.perf_counter()
+    measured = {"products_gbs": measure_products(ws), "dram_read_gbs": measure_dram_read(flat)}
+    measured["seconds"] = round(time.perf_counter() - t0, 2)
+    log.info("measured at start in %.2f s: DRAM read %.1f GB/s; products GB/s by shape at %s rows: %s",
+             measured["seconds"], measured["dram_read_gbs"], "/".join(map(str, MEASURE_ROWS)),
+             ", ".join(f"{key} {'/'.join(str(v) for v in by.values())}" for key, by in measured["products_gbs"].items()))
+    from . import stage_metrics
+    stage_metrics.record_measured({"dram_read_gbs": measured["dram_read_gbs"], **{
+        f"cpu_products_gbs_{key}_rows_{t}": v for key, by in measured["products_gbs"].items() for t, v in by.items()}},
+        served.metrics if served else None)
+    io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes, {"measured": measured}), layout, dtype)
     log.info("serving %d products (%.2f GB) on %d threads", len(ws), sum(w.numel() for w in ws) * dtype.itemsize / 1e9,
              torch.get_num_threads())
     return serve(ws, io, stop=lambda: closed(conn), served=served)
@@ -174,6 +241,7 @@ def serve_metrics(port: int, served: Served) -> None:
 
     from .stage_metrics import StageMetrics, stage_labels
     m = StageMetrics(stage_labels())
+    served.metrics = m
     m.info.info({"device": "cpu", "layers": "", "strategy": "coprocessor"})
     reg: CollectorRegistry = m.registry
     labels = list(m.labels)
@@ -195,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
 # --- the GPU process's side (patches.patch_coprocessor calls these) ---------------------------------
 
 SOCKET_ENV, BYTES_ENV, SHARES_ENV = "HYBRID_COPROC_SOCKET", "HYBRID_COPROC_BYTES", "HYBRID_COPROC_SHARES"
-# GPU share of each split product's rows, by step size: T <= bound -> share. Larger steps are not split.
+# GPU share of each split product's rows, by step size: T <= bound -> share; larger steps are not split. Measured at
+# start on CUDA (measured_shares); this where nothing is measured, and HYBRID_COPROC_SHARES forces one for all.
 # (bench/coproc.py on the H200 box: one 16-layer pass is fastest near these.)
 DEFAULT_SHARES = "4:0.5,16:0.55,64:0.6"
-BOUNDARY_SHARE = 0.55  # layers the offloader prefetches across steps: one n0 whatever the next step's size
 
 
 def parse_shares(text: str) -> list[tuple[int, float]]:
@@ -216,11 +284,38 @@ def rows_of(n: int, share: float) -> int:
     return min(n - ALIGN, max(ALIGN, int(n * share) // ALIGN * ALIGN))
 
 
+def share_for(table: list[tuple[int, float]], rows: int) -> float | None:
+    """The GPU's share for a step of `rows` tokens; None: the step is not split (it streams every row)."""
+    return next((s for bound, s in table if rows <= bound), None)
+
+
+def measure_copy(flat: torch.Tensor, nbytes: int, chunk: int = 64 << 20) -> float:
+    """GB/s the GPU copies from the (page-locked) region at, over up to 1 GiB of its first `nbytes`: what the
+    offloader's prefetch does."""
+    chunk = max(1, min(chunk, nbytes, flat.numel()))
+    count, span = max(1, min(nbytes, 1 << 30) // chunk), min(nbytes, flat.numel()) - chunk + 1
+    dst = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    dst.copy_(flat[:chunk], non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(count):
+        off = i * chunk % span
+        dst.copy_(flat[off:off + chunk], non_blocking=True)
+    end.record()
+    end.synchronize()
+    return round(count * chunk / (start.elapsed_time(end) / 1e3) / 1e9, 2)
+
+
 @dataclass
 class Product:
     cpu: torch.Tensor   # the weight in the shared region
     boundary: bool      # prefetched across steps: always n0_fixed rows ahead
     n0_fixed: int
+    table: list[tuple[int, float]]  # its shares by step size
+
+    @property
+    def n(self) -> int:
+        return self.cpu.shape[0]
 
 
 class Client(RegionClient):
@@ -229,11 +324,13 @@ class Client(RegionClient):
 
     def __init__(self, shares: str | None = None):
         super().__init__()
+        self.forced = shares is not None  # HYBRID_COPROC_SHARES: no measured split
         self.shares = parse_shares(shares or DEFAULT_SHARES)
-        self.max_rows = self.shares[-1][0]
+        self.max_rows = self.shares[-1][0]  # the io buffers' rows: no step larger than this is ever split
         self.rows = MAX_ROWS + 1  # the current step's tokens (set by every split product; larger: stream all)
         self.products: list[Product] = []
         self.gpu: GpuSide | None = None
+        self.measured: dict = {}
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=True)  # the copy stream DMAs from it
@@ -247,11 +344,20 @@ class Client(RegionClient):
         return t.device.type == "cpu" and base <= t.data_ptr() < base + self.wbytes
 
     def add_product(self, weight_cpu: torch.Tensor, boundary: bool) -> int:
-        self.products.append(Product(weight_cpu, boundary, rows_of(weight_cpu.shape[0], BOUNDARY_SHARE)))
+        self.products.append(Product(weight_cpu, boundary, 0, self.shares))
+        self._fix_boundary(self.products[-1])
         return len(self.products) - 1
 
-    def publish(self) -> int:
-        """Tell the CPU pod where each product's weight is; map the io region it returns. Its thread count."""
+    @staticmethod
+    def _fix_boundary(p: Product) -> None:
+        # prefetched before the next step's size is known: the decode share (one token), or every row if decode
+        # steps are not split
+        share = share_for(p.table, 1)
+        p.n0_fixed = p.n if share is None else rows_of(p.n, share)
+
+    def publish(self, measure_copy_rate: bool = True) -> int:
+        """Tell the CPU pod where each product's weight is; map the io region it returns; split by what both ends
+        measured (the CPU pod's rates come with the reply). Its thread count."""
         from . import memops
         dtype = self.products[0].cpu.dtype
         base = self.flat.data_ptr()
@@ -262,26 +368,46 @@ class Client(RegionClient):
         memops.register(raw.data_ptr(), nbytes)
         layout = IoLayout.for_shapes([tuple(p.cpu.shape) for p in self.products], self.max_rows, dtype.itemsize)
         self.gpu = GpuSide(IoViews(raw, layout, dtype))
+        self.measured = dict(reply.get("measured") or {})
+        if measure_copy_rate and self.measured:
+            self.measured["copy_gbs"] = measure_copy(self.flat, self.used)
+        self.split_by_measured()
         return reply["threads"]
 
-    def n0(self, j: int, rows: int) -> int:
+    def split_by_measured(self) -> None:
+        """Each product's shares from the measured copy and CPU rates of its shape (unless forced)."""
+        rates, copy = self.measured.get("products_gbs") or {}, self.measured.get("copy_gbs")
+        if self.forced or not copy:
+            return
+        for p in self.products:
+            if (by_rows := rates.get(shape_key(*p.cpu.shape))) is not None:
+                p.table = [(b, s) for b, s in measured_shares(copy, {int(t): v for t, v in by_rows.items()})
+                           if b <= self.max_rows]
+                self._fix_boundary(p)
+
+    def tables(self) -> dict[str, list[tuple[int, float]]]:
+        """The split per product shape (for the log)."""
+        return {shape_key(*p.cpu.shape): p.table for p in self.products}
+
+    def n0(self, j: int, rows: int) -> int | None:
+        """Rows [0, n0) of product j the GPU copies and computes in a step of `rows` tokens; None: not split."""
         p = self.products[j]
-        if p.boundary:
-            return p.n0_fixed
-        share = next(s for bound, s in self.shares if rows <= bound)
-        return rows_of(p.cpu.shape[0], share)
+        share = share_for(p.table, rows)
+        if share is None:
+            return None
+        return p.n0_fixed if p.boundary else rows_of(p.n, share)
 
     def prefetch_rows(self, j: int) -> int:
         """Rows of product j's weight the offloader copies ahead for the current step."""
         p = self.products[j]
-        return self.n0(j, self.rows) if p.boundary or self.rows <= self.max_rows else p.cpu.shape[0]
+        return p.n0_fixed if p.boundary else (self.n0(j, self.rows) or p.n)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, j: int) -> torch.Tensor:
         rows = x.shape[0]
         self.rows = rows
         p = self.products[j]
-        if rows <= self.max_rows:
-            return self.gpu.linear(j, x, weight[:self.n0(j, rows)], weight.shape[0])
+        if (n0 := self.n0(j, rows)) is not None and n0 < p.n:
+            return self.gpu.linear(j, x, weight[:n0], p.n)
         if p.boundary:  # its prefetch held n0_fixed rows: the rest now, on this stream
             weight[p.n0_fixed:].copy_(p.cpu[p.n0_fixed:], non_blocking=True)
         return torch.nn.functional.linear(x, weight)

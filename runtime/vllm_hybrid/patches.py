@@ -455,9 +455,18 @@ def patch_coprocessor(prefetch, linear) -> None:
                     # the first prefetch_step layers are prefetched across steps, before the next step's size is known
                     owner._coproc_product = po._coproc_product = client.add_product(po._cpu_storage, i < self.prefetch_step)
         threads = client.publish()
-        logger.info("coprocessor: %d products of %d streamed layers split with the CPU pod (%d threads) for steps "
-                    "of up to %d tokens; weights %.2f GB in its region", len(client.products), len(self.module_offloaders),
-                    threads, client.max_rows, client.used / 1e9)
+        m = client.measured
+        if "copy_gbs" in m:
+            from . import stage_metrics
+            stage_metrics.record_measured({"h2d_gbs": m["copy_gbs"], "cpu_dram_read_gbs": m["dram_read_gbs"]})
+            logger.info("coprocessor: measured at start: copies from the region %.1f GB/s, the CPU pod's DRAM read "
+                        "%.1f GB/s and products (GB/s at %s rows) %s (%.1f s)", m["copy_gbs"], m["dram_read_gbs"],
+                        "/".join(map(str, coproc.MEASURE_ROWS)), m["products_gbs"], m["seconds"])
+        logger.info("coprocessor: %d products of %d streamed layers split with the CPU pod (%d threads), GPU share of "
+                    "the rows by step size (larger steps stream every row) %s%s; weights %.2f GB in its region",
+                    len(client.products), len(self.module_offloaders), threads, client.tables(),
+                    f" ({coproc.SHARES_ENV})" if client.forced else "" if "copy_gbs" in m else " (not measured)",
+                    client.used / 1e9)
 
     def start_onload_to_static(self):
         # upstream's body, with the rows of each copy chosen per parameter

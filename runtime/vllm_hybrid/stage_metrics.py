@@ -48,6 +48,10 @@ class StageMetrics:
         self.since_progress = Gauge("hybrid_stage_seconds_since_progress", "Seconds since this stage last "
                                     "finished a step while requests are pending (0 when none are)",
                                     lab, registry=r).labels(**labels)
+        self.measured = Gauge("hybrid_stage_measured", "What the stage measured of its node at start (figure: "
+                              "h2d_gbs, dram_read_gbs, cpu_products_gbs_rows_T, ...)", [*lab, "figure"], registry=r)
+        for figure, value in MEASURED.items():
+            self.measured.labels(**labels, figure=figure).set(value)
         self.stall_timeout = Gauge("hybrid_stage_stall_timeout_seconds", "No progress for this long with requests "
                                    "pending and the stage restarts (0: never)", lab, registry=r).labels(**labels)
         self._recv_wait = 0.0
@@ -90,10 +94,19 @@ class StageMetrics:
 
 
 _METRICS: StageMetrics | None = None
+MEASURED: dict[str, float] = {}  # node figures measured before the metrics exist (the coprocessor's at load)
 
 
 def current() -> StageMetrics | None:
     return _METRICS
+
+
+def record_measured(figures: dict[str, float], m: StageMetrics | None = None) -> None:
+    """Node figures a stage measured: on its metrics now if they exist (`m`, else this worker's), else once made."""
+    MEASURED.update(figures)
+    if (m := m or _METRICS) is not None:
+        for figure, value in figures.items():
+            m.measured.labels(**m.labels, figure=figure).set(value)
 
 
 def start(num_blocks: int, device: str, tp_rank: int, env=os.environ) -> StageMetrics | None:

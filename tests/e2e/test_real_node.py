@@ -281,7 +281,10 @@ def test_a_stage_that_cannot_start_says_why_and_a_fixed_spec_recovers(node, oper
              ("KV cache beyond the stage's memory", {"stages": greedy}, "VLLM_CPU_KVCACHE_SPACE=8 GiB"),
              ("model path missing", {"model": dict(good["spec"]["model"], path="no-such-model")}, "no-such-model"),
              ("weights unreadable", {"model": dict(good["spec"]["model"], path="unreadable",
-                                                   volume={"claimName": "bad"})}, "unreadable")]
+                                                   volume={"claimName": "bad"})}, "unreadable"),
+             # a warm-up step of a million tokens: its activations, far beyond the 4Gi limit, at load
+             ("stage OOM-killed at load", {"serving": dict(good["spec"]["serving"], maxNumBatchedTokens=1 << 20)},
+              "OOM killer")]
     try:
         check_failure_cases(kube, ns, good, cases, times)
     finally:  # a failed case must not leave its pods holding the node's cores for the tests after it

@@ -163,7 +163,10 @@ def test_coprocessor_identity(tiny, graphs):
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "coprocessor",
             "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
             **local_ports()}
-    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"])) as pipe:
+    envs = envs_for(plan["stages"])
+    # the tiny model's measured rates would say "do not split" (cache-resident, tiny copies): the split is forced
+    envs[0] = {**envs[0], "HYBRID_COPROC_SHARES": "4:0.5,16:0.55,64:0.6"}
+    with LocalPipeline(plan, OUT / name, envs) as pipe:
         ready = pipe.wait_ready()
         got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
                                                          "temperature": 0, "ignore_eos": True,
@@ -171,6 +174,7 @@ def test_coprocessor_identity(tiny, graphs):
                for p in prompts]
     gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
     cpu_log = (OUT / name / "stage-1.log").read_text(errors="replace")
+    assert "coprocessor: measured at start: copies from the region" in gpu_log
     split = next((line.split("coprocessor: ", 1)[1] for line in gpu_log.splitlines()
                   if "products of" in line and "coprocessor: " in line), "")
     RESULTS[f"float32_coprocessor_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "split": split,

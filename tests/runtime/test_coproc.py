@@ -78,6 +78,10 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
         send_msg(sock, {"dtype": "float32", "max_rows": 8, "products": [[o, n, k] for o, (n, k) in zip(offsets, SHAPES)]})
         reply = recv_msg(sock, max_fds=1)
         iomap, _ = hostmem.open_fd(reply["fds"][0])
+        # what it measured at start, per product shape and step size, for the GPU's split
+        assert set(reply["measured"]["products_gbs"]) == {"96x64", "64x96", "160x64"}
+        assert all(set(by) == {"1", "4", "16", "64"} for by in reply["measured"]["products_gbs"].values())
+        assert reply["measured"]["dram_read_gbs"] > 0
         io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(SHAPES, 8, 4),
                             torch.float32)
         calls = 0
@@ -89,6 +93,8 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
                 calls += 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert f'hybrid_coproc_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
+        assert 'hybrid_stage_measured{figure="cpu_products_gbs_160x64_rows_1"' in metrics
+        assert 'hybrid_stage_measured{figure="dram_read_gbs"' in metrics
         sock.close()  # the GPU stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
@@ -117,4 +123,37 @@ def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
     client.rows = 65  # a prompt chunk: the whole weight streams
     assert client.prefetch_rows(inner) == 1024
     # prefetched before the next step's size is known: the same rows whatever it is
-    assert {client.prefetch_rows(edge), client.n0(edge, 1), client.n0(edge, 64)} == {coproc.rows_of(1024, coproc.BOUNDARY_SHARE)}
+    assert {client.prefetch_rows(edge), client.n0(edge, 1), client.n0(edge, 64)} == {512}  # the decode share's
+    assert client.n0(inner, 65) is None and client.n0(edge, 65) is None  # not split
+
+
+def test_the_split_follows_what_both_ends_measured_and_never_splits_where_streaming_wins():
+    client = coproc.Client()
+    qkv = client.add_product(torch.empty(1024, 8), boundary=False)
+    down = client.add_product(torch.empty(512, 32), boundary=True)
+    # copies from the region at 50 GB/s; the CPU pod: qkv's shape 50 GB/s at 1-4 rows, compute-bound at 64;
+    # down's shape slow from the start
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {"1024x8": {"1": 50.0, "4": 45.0, "16": 20.0, "64": 5.0},
+                                                          "512x32": {"1": 5.0, "4": 5.0, "16": 5.0, "64": 5.0}}}
+    client.split_by_measured()
+    assert client.tables() == {"1024x8": [(1, 0.5), (4, 0.526), (16, 0.714)], "512x32": []}
+    assert [client.n0(qkv, t) for t in (1, 3, 16, 17, 64)] == [512, 528, 720, None, None]
+    client.rows = 64  # a step the CPU would slow down: every row streams, as with the offloader alone
+    assert client.prefetch_rows(qkv) == 1024
+    # decode steps not split: the boundary layer prefetches every row, and nothing is asked of the CPU pod
+    assert client.n0(down, 1) is None and client.prefetch_rows(down) == 512
+    assert coproc.measured_shares(50.0, {1: 7.0}) == [] and coproc.measured_shares(50.0, {1: 8.0}) == [(1, 0.862)]
+    forced = coproc.Client("4:0.5,64:0.75")  # HYBRID_COPROC_SHARES wins over any measurement
+    forced.add_product(torch.empty(1024, 8), boundary=False)
+    forced.measured = client.measured
+    forced.split_by_measured()
+    assert forced.tables() == {"1024x8": [(4, 0.5), (64, 0.75)]}
+
+
+def test_the_cpu_pod_measures_its_products_and_dram_in_a_fraction_of_a_second():
+    ws = [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(3)] + [torch.randn(64, 256, dtype=torch.bfloat16)]
+    t0 = time.monotonic()
+    rates = coproc.measure_products(ws, rows=(1, 4), seconds=0.02)
+    assert time.monotonic() - t0 < 1.0
+    assert set(rates) == {"256x64", "64x256"} and all(set(by) == {1, 4} and min(by.values()) > 0 for by in rates.values())
+    assert coproc.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
