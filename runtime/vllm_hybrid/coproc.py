@@ -167,12 +167,13 @@ def measure_products(ws: list[torch.Tensor], rows=MEASURE_ROWS, seconds: float =
 
 
 def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
-    """GB/s this process's threads read the region at (a sum over up to `nbytes` of it)."""
-    view = flat[:min(nbytes, flat.numel()) // 4 * 4].view(torch.int32)
-    view[: 1 << 20].sum()
+    """GB/s this process's threads read the region at (a max over up to `nbytes` of its bytes: vectorized and
+    parallel in ATen, where an int32 sum ran at 5 GB/s on the H100 box's 14 threads)."""
+    view = flat[:min(nbytes, flat.numel())]
+    view[: 1 << 20].max()
     t0 = time.perf_counter()
-    view.sum()
-    return round(view.numel() * 4 / (time.perf_counter() - t0) / 1e9, 2)
+    view.max()
+    return round(view.numel() / (time.perf_counter() - t0) / 1e9, 2)
 
 
 def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:
