@@ -498,7 +498,10 @@ class Held:
         """(w13, w2) per expert on `device`, unpacked if the server packed them."""
         if self.packed is None and device.type == "cpu":
             return self.weights
-        stacks = [s.to(device, non_blocking=True) for s in self.stacks]
+        return self.unpacked([s.to(device, non_blocking=True) for s in self.stacks])
+
+    def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them."""
         return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
 
 
@@ -563,6 +566,9 @@ class Client(RegionClient):
         self.side: CpuSide | GpuSide | None = None
         self.dtype = self.top_k = self.hidden = None
         self.counts = RoutingCounts(None)
+        # large steps on CUDA: the next layer's remote experts copied in on a side stream while this one computes
+        self.copy_stream = None
+        self.staged: tuple[int, list[torch.Tensor], object] | None = None
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=self.device == "cuda")  # large steps copy from it
@@ -616,10 +622,35 @@ class Client(RegionClient):
         return reply["threads"]
 
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """A large step's remote experts, computed by the main stage from the region (on CUDA: copied to it)."""
+        """A large step's remote experts, computed by the main stage from the region. On CUDA they are copied in for
+        this step only, the next layer's while this one computes (a double buffer, as vLLM's prefetch offloader)."""
         held = self.layers[layer]
-        # this layer's, for this step only (the design: the offloader's double buffer)
-        return compute(x, ids, weights, held.plain(x.device), held.ids)
+        if x.device.type != "cuda":
+            return compute(x, ids, weights, held.plain(x.device), held.ids)
+        staged, self.staged = self.staged, None
+        if staged is not None and staged[0] == layer:
+            torch.cuda.current_stream().wait_event(staged[2])
+            stacks = staged[1]
+        else:  # the step's first layer (or a step cut short): copied now, on this stream
+            stacks = [s.to(x.device, non_blocking=True) for s in held.stacks]
+        following = min((n for n in self.layers if n > layer), default=None)
+        if following is not None:
+            self.staged = self.prefetch(following, x.device)
+        return compute(x, ids, weights, held.unpacked(stacks), held.ids)
+
+    def prefetch(self, layer: int, device: torch.device) -> tuple[int, list[torch.Tensor], object]:
+        """Start copying layer's remote experts in on the side stream: (layer, the copies, their event)."""
+        main = torch.cuda.current_stream()
+        self.copy_stream = self.copy_stream or torch.cuda.Stream()
+        stacks = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.layers[layer].stacks]
+        self.copy_stream.wait_stream(main)  # their memory is free on the main stream by now
+        with torch.cuda.stream(self.copy_stream):
+            for dst, src in zip(stacks, self.layers[layer].stacks):
+                dst.copy_(src, non_blocking=True)
+                dst.record_stream(self.copy_stream)  # freed unused (a step cut short): not reused mid-copy
+            done = torch.cuda.Event()
+            done.record()
+        return layer, stacks, done
 
     def moe_remote(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """y: the weighted sum of layer's remote experts over x's tokens (the main stage adds it to its own)."""

@@ -306,10 +306,10 @@ def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_h
     assert (lay.strategy, lay.stages, lay.layers, lay.servers) == ("experts", (0,), (32,), ((1, 0),))
     assert lay.offload_bytes[0] == remote * one and est["experts"] > 0
     # the gpu: every layer's attention, norms and router, both ends, KV for the workload (at least one
-    # 8192-token sequence), room to copy one layer's remote experts in and unpack them (large steps), and as many
-    # experts as fit; the rest on the cpu stage
+    # 8192-token sequence), room to copy a layer's remote experts in and unpack them while the next one's comes in
+    # (large steps), and as many experts as fit; the rest on the cpu stage
     kv = 32 * max(8192, concurrency * (512 + 256)) * shape.kv_bytes_per_token_per_layer
-    staging = (2 * -(-remote // 32) + 1) * one  # twice a layer's remote experts, rounded up, and one more
+    staging = (3 * -(-remote // 32) + 1) * one  # three times a layer's remote experts, rounded up, and one more
     room = stage_budget(plan.stages[0], None) - 32 * (shape.layer_bytes - shape.layer_expert_bytes) \
         - 2 * shape.embedding_bytes - kv - staging
     assert (32 * 8 - remote) * one <= room < (32 * 8 - remote + 2) * one

@@ -115,10 +115,11 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     fixed = (total * (shape.layer_bytes - shape.layer_expert_bytes) + 2 * shape.embedding_bytes
              + total * kv_tokens * shape.kv_bytes_per_token_per_layer)
     fit = max(0, sp.budget_bytes - fixed) // expert_bytes(shape)
-    # steps above max_rows copy one layer's remote experts to the gpu at a time and unpack them there (the server
-    # packs them for its kernel): twice a layer's (vLLM's memory profile sees both; with room for one copy only,
-    # Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV cache one sequence needs on an 80 GB H100)
-    staging = 2 * -(-(total * per_layer - min(fit, total * per_layer)) // total) + 1
+    # steps above max_rows copy a layer's remote experts to the gpu and unpack them there (the server packs them for
+    # its kernel) while the next layer's copy comes in: three times a layer's (vLLM's memory profile sees them; with
+    # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
+    # 80 GB H100)
+    staging = 3 * -(-(total * per_layer - min(fit, total * per_layer)) // total) + 1
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
     if fit < total:
         raise PlanError(f"stages[{gpu}] ({sp.stage.name}): strategy experts does not fit: every layer's attention, "
