@@ -522,6 +522,8 @@ class RoutingCounts:
         self.live[layer] = torch.zeros(experts, dtype=torch.int64, device=device)
 
     def add(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self.path is None:  # nowhere to keep them (HYBRID_EXPERTS_COUNTS empty): no kernels for them
+            return
         ids = topk_ids.reshape(-1).long()
         self.live[layer].index_add_(0, ids, torch.ones_like(ids))
 

@@ -9,6 +9,8 @@ import os
 
 SUPPORTED_VLLM = "0.26.0"
 ENABLE_ENV = "HYBRID_PIPELINE"
+# opt-in for plain vLLM (the tests' single-process references): only the vector-ISA probe memory, no other patch
+VEC_ISA_ENV = "HYBRID_REMEMBER_VEC_ISA"
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -25,6 +27,11 @@ def check_vllm_version(version: str) -> None:
 
 def register() -> None:
     if os.environ.get(ENABLE_ENV) != "1":
+        if os.environ.get(VEC_ISA_ENV) == "1":
+            import vllm.envs
+
+            from .patches import remember_vec_isa_checks
+            remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT)
         return
     import vllm
 

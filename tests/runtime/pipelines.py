@@ -31,6 +31,8 @@ def reference(model, prompts, max_tokens, dtype="float32", env=None, python=sys.
     work = Path(tempfile.mkdtemp())
     spec = {"model": str(model), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
     (work / "spec.json").write_text(json.dumps(spec))
+    # plain vLLM, with only the plugin's opt-in memory of torch's vector-ISA probes (16 s of each start on 2 cores)
     subprocess.run([python, str(Path(__file__).parents[1] / "reference_generate.py"), str(work / "spec.json"),
-                    str(work / "out.json")], env={**os.environ, **(env or {})}, check=True, timeout=900)
+                    str(work / "out.json")], env={**os.environ, "HYBRID_REMEMBER_VEC_ISA": "1", **(env or {})},
+                   check=True, timeout=900)
     return json.loads((work / "out.json").read_text())

@@ -146,3 +146,18 @@ def test_vector_isa_probes_are_remembered_per_cpu_compiler_and_torch(tmp_path, m
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: pytest.fail("probed again"))
     patches.remember_vec_isa_checks(str(tmp_path))
     assert cpu_vec_isa.VecAVX2().check_build("int main() {}") is first
+
+
+def test_plain_vllm_gets_only_the_opt_in_isa_memory_from_the_plugin(tmp_path):
+    """The plugin loads in every vLLM process where the runtime is installed: without HYBRID_PIPELINE it patches
+    nothing, unless HYBRID_REMEMBER_VEC_ISA=1 asks for the probe memory (the tests' references do)."""
+    import os
+    import subprocess
+    import sys
+    probe = ("from vllm_hybrid import plugin, patches; plugin.register(); from torch._inductor import cpu_vec_isa; "
+             "print(patches.APPLIED, hasattr(cpu_vec_isa.VecISA.check_build, '__wrapped__'))")
+    base = {k: v for k, v in os.environ.items() if k != "HYBRID_PIPELINE"} | {"VLLM_CACHE_ROOT": str(tmp_path)}
+    run = lambda env: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                     env=base | env).stdout.strip()
+    assert run({}) == "[] False"
+    assert run({"HYBRID_REMEMBER_VEC_ISA": "1"}) == f"['VecISA.check_build(remembered in {tmp_path}/hybrid-vec-isa)'] True"
