@@ -41,6 +41,16 @@ def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
             f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
 
 
+GPU_STEP_MS = 5.0  # the all-GPU step of this shape (a-all-gpu's TPOT at 1 where it ran)
+
+
+def bound_ms(r: dict, dram: float) -> float:
+    """A small-batch step's memory bound: the 16 CPU-resident layers (6.98 GB) read once from DRAM, whoever reads
+    them (copy engine or CPU), plus the all-GPU step."""
+    gpu = r["a-all-gpu"]["waves"][0]["tpot_ms"] if "waves" in r.get("a-all-gpu", {}) else GPU_STEP_MS
+    return 1e3 * 16 * SHAPE.layer_bytes / (dram * 1e9) + gpu
+
+
 PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-experts-sgl", "p-experts-grouped", "p-auto", "p-prefetch-plain")
 
 
@@ -115,6 +125,10 @@ def main(path="bench/results/gpu_bench.json"):
         rows.append(f"| {c} | " + " | ".join(f"{at(k, i):.2f}" for k in configs) + f" | {ratio} | {pick} | {auto} |")
     rows.append("| TPOT ms, concurrency 1 / 64 | " + " | ".join(
         f"{at(k, 0, 'tpot_ms')} / {at(k, len(conc) - 1, 'tpot_ms')}" for k in configs) + " | | | |")
+    if dram:
+        bound = bound_ms(r, dram)
+        rows.append(f"| TPOT at 1 over its bound ({bound:.1f} ms) | " + " | ".join(
+            f"{at(k, 0, 'tpot_ms') / bound:.2f}x" for k in configs) + " | | | |")
     for n in ("1024", "4096"):
         rows.append(f"| TTFT {n}-token prompt (s) | " + " | ".join(str(r[k]["ttft_s"].get(n)) for k in configs) + " | | | |")
     rows.append("| ready (s) | " + " | ".join(str(r[k]["ready_s"]) for k in configs) + " | | | |")
@@ -123,7 +137,9 @@ def main(path="bench/results/gpu_bench.json"):
         if any(field in r[k] for k in configs):
             rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | | |")
     effs = [e for k in configs if k.startswith("c-") and (e := cpu_stage_efficiency(r, k, dram))]
-    md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s\n\n" + "".join(f"- {e}\n" for e in effs)
+    md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s" + (
+        f"; bound = 6.98 GB / DRAM + the all-GPU step ({'a-all-gpu' if 'a-all-gpu' in configs else f'{GPU_STEP_MS} ms'})"
+        if dram else "") + "\n\n" + "".join(f"- {e}\n" for e in effs)
     path.with_suffix(".md").write_text(md)
     try:
         import matplotlib
