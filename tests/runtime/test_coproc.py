@@ -143,6 +143,8 @@ def test_the_split_follows_what_both_ends_measured_and_never_splits_where_stream
     # decode steps not split: the boundary layer prefetches every row, and nothing is asked of the CPU pod
     assert client.n0(down, 1) is None and client.prefetch_rows(down) == 512
     assert coproc.measured_shares(50.0, {1: 7.0}) == [] and coproc.measured_shares(50.0, {1: 8.0}) == [(1, 0.862)]
+    # a noisy low at one step size: what a larger step reached stands for it
+    assert coproc.measured_shares(50.0, {1: 50.0, 4: 25.0, 16: 50.0}) == [(1, 0.5), (4, 0.5), (16, 0.5)]
     forced = coproc.Client("4:0.5,64:0.75")  # HYBRID_COPROC_SHARES wins over any measurement
     forced.add_product(torch.empty(1024, 8), boundary=False)
     forced.measured = client.measured
@@ -150,10 +152,10 @@ def test_the_split_follows_what_both_ends_measured_and_never_splits_where_stream
     assert forced.tables() == {"1024x8": [(4, 0.5), (64, 0.75)]}
 
 
-def test_the_cpu_pod_measures_its_products_and_dram_in_a_fraction_of_a_second():
+def test_the_cpu_pod_measures_its_products_and_dram_within_its_time_windows():
     ws = [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(3)] + [torch.randn(64, 256, dtype=torch.bfloat16)]
     t0 = time.monotonic()
     rates = coproc.measure_products(ws, rows=(1, 4), seconds=0.02)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # four windows of 0.02 s (and a loaded machine's stalls), not a fixed count
     assert set(rates) == {"256x64", "64x256"} and all(set(by) == {1, 4} and min(by.values()) > 0 for by in rates.values())
     assert coproc.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
