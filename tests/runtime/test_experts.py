@@ -354,6 +354,9 @@ def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_o
     Path(counts).write_text(json.dumps({"tokens": 50, "counts": {"0": [40, 30, 10, 20], "1": [5, 45, 25, 25]}}))
     gpu = run("0", "0-1")
     assert resolved(gpu)["placement"] == f"by routing counts of 50 tokens ({counts})"
+    env[experts.COUNTS_ENV] = ""  # the stage's env turns them off
+    gpu = run("0", "0-1")
+    assert resolved(gpu)["placement"] == f"evenly ({experts.COUNTS_ENV} is empty: no routing counts)"
 
 
 @pytest.mark.slow

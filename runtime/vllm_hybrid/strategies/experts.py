@@ -167,8 +167,10 @@ class Experts(Strategy):
 
     def stage(self, plan, split, lay, ident, env) -> StageExtras:
         cpu, shape = next(c for c, g in lay.servers if g == ident.stage), split.shape
-        counts_file = counts_path(env, plan.model, shape.num_layers, shape.experts)
-        counts, placed = read_counts(counts_file, shape.num_layers, shape.experts)
+        # the stage's env may name another file, or none (empty: no counting, placed evenly)
+        counts_file = env.get(COUNTS_ENV, counts_path(env, plan.model, shape.num_layers, shape.experts))
+        counts, placed = (read_counts(counts_file, shape.num_layers, shape.experts) if counts_file
+                          else (None, f"evenly ({COUNTS_ENV} is empty: no routing counts)"))
         remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
         return StageExtras(
@@ -176,7 +178,8 @@ class Experts(Strategy):
             flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS)),
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
-                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS)), (COUNTS_ENV, counts_file)),
+                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))),
+            env_defaults=((COUNTS_ENV, counts_file),),
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed)))
 
     def server(self, plan, lay, ident, env) -> Server | None:
