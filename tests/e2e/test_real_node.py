@@ -268,10 +268,15 @@ def test_a_stage_that_cannot_start_says_why_and_a_fixed_spec_recovers(node, oper
     bad = node.work / "bad-models"
     make_tiny_llama(bad / "unreadable", layers=4, dtype="float32")
     (bad / "unreadable" / "model.safetensors").chmod(0o600)  # root's, as a volume prepared carelessly
+    # the instance flows' compile cache (a claim: hostPath volumes are not allowed under restricted): the fixed
+    # spec starts warm, as a user's instance would after its first start
+    cache_dir = node.work / "vllm-cache"
+    cache_dir.mkdir(mode=0o777, exist_ok=True)
+    cache_dir.chmod(0o777)
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": MODES["restricted"][0]}})
-    kube.apply(*volumes("models", ns, model.parent, "ReadOnlyMany"), *volumes("bad", ns, bad, "ReadOnlyMany"))
-    good = instance(ns, MODES["restricted"][1], {"hostPath": "/unused"})
-    del good["spec"]["cache"]
+    kube.apply(*volumes("models", ns, model.parent, "ReadOnlyMany"), *volumes("bad", ns, bad, "ReadOnlyMany"),
+               *volumes("vllm-cache", ns, cache_dir, "ReadWriteMany"))
+    good = instance(ns, MODES["restricted"][1], {"claimName": "vllm-cache"})
     small = [dict(s, memory="3Gi") for s in good["spec"]["stages"]]
     # a KV cache of the user's own (vLLM's variable) beyond what the stage's memory holds: refused at start, where
     # vLLM alone checks it against the node's free memory (and the kernel OOM-kills the stage if that has room)
@@ -289,7 +294,7 @@ def test_a_stage_that_cannot_start_says_why_and_a_fixed_spec_recovers(node, oper
         check_failure_cases(kube, ns, good, cases, times)
     finally:  # a failed case must not leave its pods holding the node's cores for the tests after it
         kube.kubectl("delete", "namespace", ns, "--wait=false")
-        kube.kubectl("delete", "pv", f"{ns}-models", f"{ns}-bad", "--wait=false")
+        kube.kubectl("delete", "pv", f"{ns}-models", f"{ns}-bad", f"{ns}-vllm-cache", "--wait=false")
 
 
 def check_failure_cases(kube, ns: str, good: dict, cases: list, times: dict) -> None:
