@@ -358,7 +358,7 @@ class Client(RegionClient):
         share = share_for(p.table, 1)
         p.n0_fixed = p.n if share is None else rows_of(p.n, share)
 
-    def publish(self, measure_copy_rate: bool = True) -> int:
+    def publish(self) -> int:
         """Tell the CPU pod where each product's weight is; map the io region it returns; split by what both ends
         measured (the CPU pod's rates come with the reply). Its thread count."""
         from . import memops
@@ -372,7 +372,7 @@ class Client(RegionClient):
         layout = IoLayout.for_shapes([tuple(p.cpu.shape) for p in self.products], self.max_rows, dtype.itemsize)
         self.gpu = GpuSide(IoViews(raw, layout, dtype))
         self.measured = dict(reply.get("measured") or {})
-        if measure_copy_rate and self.measured:
+        if self.measured:
             self.measured["copy_gbs"] = measure_copy(self.flat, self.used)
         self.split_by_measured()
         return reply["threads"]

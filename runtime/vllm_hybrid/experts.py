@@ -46,6 +46,7 @@ from .strategies.experts import (  # noqa: F401 (the placement and the env, pure
     SOCKET_ENV,
     counts_path,
     format_placement,
+    load_counts,
     parse_placement,
     place,
     read_counts,
@@ -498,7 +499,11 @@ class Held:
         """(w13, w2) per expert on `device`, unpacked if the server packed them."""
         if self.packed is None and device.type == "cpu":
             return self.weights
-        return self.unpacked([s.to(device, non_blocking=True) for s in self.stacks])
+        return self.unpacked(self.copy_to(device))
+
+    def copy_to(self, device: torch.device) -> list[torch.Tensor]:
+        """The stacks copied to `device` on the current stream (the region is page-locked where it is CUDA)."""
+        return [s.to(device, non_blocking=True) for s in self.stacks]
 
     def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them."""
@@ -515,8 +520,8 @@ class RoutingCounts:
         self.live: dict[int, torch.Tensor] = {}
         self.saved_at: float | None = None  # None until serving: warm-up and graph capture route dummy tokens
         self.base: dict[str, list[int]] = {}
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            self.base = {k: [int(c) for c in v] for k, v in json.load(open(path))["counts"].items()}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.base = load_counts(path)[0] if path else {}
 
     def track(self, layer: int, experts: int, device: str) -> None:
         self.live[layer] = torch.zeros(experts, dtype=torch.int64, device=device)
@@ -634,7 +639,7 @@ class Client(RegionClient):
             torch.cuda.current_stream().wait_event(staged[2])
             stacks = staged[1]
         else:  # the step's first layer (or a step cut short): copied now, on this stream
-            stacks = [s.to(x.device, non_blocking=True) for s in held.stacks]
+            stacks = held.copy_to(x.device)
         following = min((n for n in self.layers if n > layer), default=None)
         if following is not None:
             self.staged = self.prefetch(following, x.device)

@@ -50,13 +50,16 @@ class StageMetrics:
                                     lab, registry=r).labels(**labels)
         self.measured = Gauge("hybrid_stage_measured", "What the stage measured of its node at start (figure: "
                               "h2d_gbs, dram_read_gbs, cpu_products_gbs_rows_T, ...)", [*lab, "figure"], registry=r)
-        for figure, value in MEASURED.items():
-            self.measured.labels(**labels, figure=figure).set(value)
+        self.set_measured(MEASURED)
         self.stall_timeout = Gauge("hybrid_stage_stall_timeout_seconds", "No progress for this long with requests "
                                    "pending and the stage restarts (0: never)", lab, registry=r).labels(**labels)
         self._recv_wait = 0.0
         self._send = 0.0
         self._blocks: dict[str, int] = {}
+
+    def set_measured(self, figures: dict[str, float]) -> None:
+        for figure, value in figures.items():
+            self.measured.labels(**self.labels, figure=figure).set(value)
 
     # -- hooks (called from patches.py) --
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
@@ -105,8 +108,7 @@ def record_measured(figures: dict[str, float], m: StageMetrics | None = None) ->
     """Node figures a stage measured: on its metrics now if they exist (`m`, else this worker's), else once made."""
     MEASURED.update(figures)
     if (m := m or _METRICS) is not None:
-        for figure, value in figures.items():
-            m.measured.labels(**m.labels, figure=figure).set(value)
+        m.set_measured(figures)
 
 
 def start(num_blocks: int, device: str, tp_rank: int, env=os.environ) -> StageMetrics | None:

@@ -57,24 +57,31 @@ def counts_path(env: dict[str, str], model: str, layers: int, experts: int) -> s
     return os.path.join(root, "hybrid-expert-counts", f"{key}-{layers}x{experts}.json")
 
 
+def load_counts(path: str) -> tuple[dict[str, list[int]], int]:
+    """The counts file's routed pairs per layer ("layer" -> one count per expert) and its tokens; raises what reading
+    or parsing it raises."""
+    with open(path) as f:
+        data = json.load(f)
+    return {layer: [int(c) for c in row] for layer, row in data["counts"].items()}, int(data.get("tokens", 0))
+
+
 def read_counts(path: str, layers: int, experts: int) -> tuple[list[list[int]] | None, str]:
     """The routed (token, expert) pairs per layer and expert that earlier runs counted (None: none usable), and
     how the placement is made, for the stage's log."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        by_layer, tokens = load_counts(path)
         counts = [[0] * experts for _ in range(layers)]
-        for layer, row in data["counts"].items():
+        for layer, row in by_layer.items():
             if not 0 <= int(layer) < layers or len(row) != experts:
                 return None, f"evenly ({path} counts another shape than {layers} layers x {experts} experts)"
-            counts[int(layer)] = [int(c) for c in row]
+            counts[int(layer)] = row
     except FileNotFoundError:
         return None, "evenly (no routing counts yet)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"evenly ({path} unreadable: {type(e).__name__}: {e})"
     if not any(map(any, counts)):
         return None, "evenly (no routing counted yet)"
-    return counts, f"by routing counts of {data.get('tokens', 0)} tokens ({path})"
+    return counts, f"by routing counts of {tokens} tokens ({path})"
 
 
 def format_placement(remote: dict[int, Sequence[int]]) -> str:
