@@ -72,6 +72,39 @@ def test_a_stage_whose_launcher_is_pid_one_keeps_running():
     assert _under_pid_one(launcher_pid_env=False).split() == ["code", "-9"]
 
 
+def test_a_forked_child_dies_with_its_parent_too():
+    """The CPU engine core is forked (patch_cpu_engine_fork) and fork clears the kernel's parent-death signal:
+    without asking again in the child, a killed API server left its engine core and worker running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    parent = ("import os, sys, time\n"
+              "from vllm_hybrid.patches import die_with_parent\n"
+              "die_with_parent()\n"
+              "child = os.fork()\n"
+              "if child == 0:\n"
+              "    time.sleep(60); os._exit(0)\n"
+              "print(child, flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    child = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+    def running() -> bool:  # a zombie has died: whether this machine's init reaps it is not the point
+        try:
+            return open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running()
+
+
 def test_shm_names_are_journaled_as_they_are_made_and_removed_at_the_next_start(tmp_path):
     """What a hard-killed stage leaves in /dev/shm (vLLM's message-queue segments, multiprocessing's
     semaphores) is named in the journal the moment it is made, so the stage's next start removes all of it."""
