@@ -143,19 +143,21 @@ class Peaks:
 
 
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, float]]:
-    """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far, and (expert tokens, routed pairs) of
-    an experts server (strategy experts' cpu stage; 0 elsewhere)."""
+    """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far, and (expert tokens, routed pairs,
+    busy seconds, layer steps, seconds between layers, intervals) of an experts server (strategy experts' cpu stage; 0 elsewhere)."""
     out = []
     for url in metrics_urls:
         try:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
-            out.append((0.0, 0.0, 0.0, 0.0))
+            out.append((0.0,) * 8)
             continue
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                 if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_"))}
         out.append(tuple(vals.get(k, 0.0) for k in ("hybrid_stage_forward_seconds_sum", "hybrid_stage_forward_seconds_count",
-                                                    "hybrid_experts_expert_tokens", "hybrid_experts_routed_pairs")))
+                                                    "hybrid_experts_expert_tokens", "hybrid_experts_routed_pairs",
+                                                    "hybrid_experts_busy_seconds", "hybrid_experts_steps",
+                                                    "hybrid_experts_between_seconds", "hybrid_experts_betweens")))
     return out
 
 
@@ -176,6 +178,15 @@ def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
         pairs = [(a[2] - b[2], a[3] - b[3]) for a, b in zip(after, before) if a[3] > b[3]]
         if pairs:
             w["remote_share"] = round(sum(t for t, _ in pairs) / sum(p for _, p in pairs), 3)
+        # where a step's time goes: the expert server's compute per MoE layer step, against the main stage's step
+        layer_steps = [(a[4] - b[4], a[5] - b[5]) for a, b in zip(after, before) if a[5] > b[5]]
+        if layer_steps:
+            busy, n = map(sum, zip(*layer_steps))
+            w["experts_cpu_ms_per_layer_step"] = round(1000 * busy / n, 3)
+            w["experts_cpu_layer_steps"] = int(n)
+            between, m = map(sum, zip(*[(a[6] - b[6], a[7] - b[7]) for a, b in zip(after, before)]))
+            if m:
+                w["experts_between_layers_ms"] = round(1000 * between / m, 3)
         waves.append(w)
         print(json.dumps(w), flush=True)
     ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in TTFT_TOKENS}

@@ -103,6 +103,10 @@ class Served:
     expert_tokens: int = 0  # (token, expert) pairs computed
     routed_pairs: int = 0   # (token, slot) pairs of the steps served, wherever their expert is: the remote share's base
     busy_s: float = 0.0     # computing (the rest of the time it waits for the main stage)
+    # from one layer's answer to the next layer's request of the same step: the main stage's own work between two
+    # MoE layers plus both hand-overs (where a step's time goes beside busy_s)
+    between_s: float = 0.0
+    betweens: int = 0
 
 
 def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -365,16 +369,21 @@ def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle
     Returns the number of steps served once `stop()` turns true (asked while idle)."""
     words = io.words
     served = served or Served()
+    last_layer, last_done = None, 0.0
     while rows := wait_request(words, stop, idle_check):
         t0 = time.perf_counter()
         words[REQ] = 0
         layer = int(words[LAYER])
+        if last_layer is not None and layer > last_layer:  # the same step's next MoE layer
+            served.between_s += t0 - last_done
+            served.betweens += 1
         y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
         io.y(layer, rows).copy_(y)
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served.steps += 1
         served.routed_pairs += rows * io.layout.top_k
-        served.busy_s += time.perf_counter() - t0
+        last_layer, last_done = layer, time.perf_counter()
+        served.busy_s += last_done - t0
     return served.steps
 
 
@@ -419,7 +428,10 @@ def serve_metrics(port: int, served: Served) -> None:
             ("routed_pairs", "Token-expert pairs routed in the steps this CPU stage served (its share: expert_tokens "
              "over this)", lambda: served.routed_pairs),
             ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)",
-             lambda: served.busy_s)):
+             lambda: served.busy_s),
+            ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
+             "work between two MoE layers and both hand-overs)", lambda: served.between_s),
+            ("betweens", "Intervals summed in between_seconds", lambda: served.betweens)):
         Gauge(f"hybrid_experts_{name}", doc, labels, registry=reg).labels(**m.labels).set_function(read)
     start_http_server(port, registry=reg)
 

@@ -219,6 +219,8 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         served_rows = sum(rows for layer, rows in [(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)] if rows <= 8)
         assert _metric(port, "routed_pairs") == served_rows * K  # the remote share's base
         assert _metric(port, "busy_seconds") > 0
+        # a step's next MoE layer (0 -> 2), not a new step's first (2 -> 0) nor a layer the main stage kept (12 rows)
+        assert _metric(port, "betweens") == 2 and _metric(port, "between_seconds") > 0
         client.sock.close()  # the main stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
