@@ -192,6 +192,9 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         })
         if not binding.pinned:  # "nobind": vLLM leaves the threads alone; size the pool to the request
             env["OMP_NUM_THREADS"] = str(binding.threads_per_rank)
+        if binding.threads_per_rank == 1 and rec.tp == 1:
+            # one worker of one thread: its OpenMP setup needs no fresh process (patches.patch_cpu_worker_fork)
+            env.update({"HYBRID_FORK_WORKER": "1", "OMP_NUM_THREADS": "1"})
     env.update(rec.extras.env)
     for key, value in rec.extras.env_defaults:
         env.setdefault(key, value)

@@ -678,8 +678,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
     ask_for_sigkill()
-    # fork clears the request, and forked children (the CPU engine core) load no plugin again
-    os.register_at_fork(after_in_child=ask_for_sigkill)
+    # fork clears the request, and forked children (the CPU engine core and worker) load no plugin again
+    forked_by = [0]
+
+    def in_child():
+        ask_for_sigkill()
+        if os.getppid() != forked_by[0]:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.register_at_fork(before=lambda: forked_by.__setitem__(0, os.getpid()), after_in_child=in_child)
     # orphaned before the call above took effect: re-parented to init. In a container the launcher
     # itself is PID 1 (it stops the whole group), so there a parent of 1 is just the launcher.
     if os.getppid() == 1 and os.environ.get("HYBRID_LAUNCHER_PID") != "1":
@@ -714,6 +721,33 @@ def patch_cpu_engine_fork(engine_utils) -> None:
 
     engine_utils.get_mp_context = get_mp_context
     APPLIED.append("engine.utils.get_mp_context(CPU: fork the engine core)")
+
+
+def patch_cpu_worker_fork(multiproc_executor) -> None:
+    """vllm.v1.executor.multiproc_executor.get_mp_context and WorkerProc.worker_main: fork a CPU stage's one worker
+    where it runs one OpenMP thread (the launcher sets HYBRID_FORK_WORKER and OMP_NUM_THREADS=1 for the stage).
+
+    vLLM spawns CPU workers so that each loads libgomp with its own thread count and places from the environment.
+    With one thread there is nothing to place but the worker itself, pinned here to its core as vLLM's OMP_PLACES
+    would; and no OpenMP thread pool exists to be lost in the fork. Saves a fresh import of torch and vLLM on each
+    stage's way to ready (7 s on 2 cores). Several threads or ranks: spawned, as upstream."""
+    import multiprocessing
+
+    upstream_context, upstream_main = multiproc_executor.get_mp_context, multiproc_executor.WorkerProc.worker_main
+    core = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+    def get_mp_context():
+        upstream_context()
+        return multiprocessing.get_context("fork")
+
+    def worker_main(*args, **kwargs):
+        if core.isdigit():
+            os.sched_setaffinity(0, {int(core)})
+        return upstream_main(*args, **kwargs)
+
+    multiproc_executor.get_mp_context = get_mp_context
+    multiproc_executor.WorkerProc.worker_main = staticmethod(worker_main)
+    APPLIED.append("multiproc_executor.get_mp_context + WorkerProc.worker_main(CPU, one thread: fork the worker)")
 
 
 def patch_cpu_masked_input(vocab_embedding) -> None:
@@ -830,6 +864,9 @@ def apply_all() -> list[str]:
         patch_cpu_masked_input(vocab_parallel_embedding)
         from vllm.v1.engine import utils as engine_utils
         patch_cpu_engine_fork(engine_utils)
+        if os.environ.get("HYBRID_FORK_WORKER") == "1":
+            from vllm.v1.executor import multiproc_executor as executor
+            patch_cpu_worker_fork(executor)
     if current_platform.is_cpu() and os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
         patch_cpu_kv_memory_check()
     if not current_platform.is_cpu() and os.environ.get("HYBRID_COPROC_SOCKET"):

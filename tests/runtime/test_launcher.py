@@ -91,6 +91,7 @@ def test_a_cpu_stage_pins_only_cores_that_are_its_own(caplog):
     manager `none`, most clusters) is shared by every pod of the node: threads float, as many as requested
     (pinning there put both stages of a two-CPU node on CPU 0)."""
     from vllm_hybrid.cli import stage_binding
+    from vllm_hybrid.cpubind import unpinned_binding
     plan = plan_from_dict(PLAN)
     ident = identity_from_env({"HYBRID_MASTER_ADDR": "m"}, stage=1)
     own = stage_binding(plan, ident, {"HYBRID_CPUS": "4-19"})
@@ -101,6 +102,11 @@ def test_a_cpu_stage_pins_only_cores_that_are_its_own(caplog):
     assert "cpuset 0-63 is shared" in caplog.text and "threads not pinned, 16 OpenMP threads" in caplog.text
     env = vllm_env(*_built(1)[:3], shared, {})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "16"
+    assert "HYBRID_FORK_WORKER" not in env  # several threads: vLLM spawns the worker with its own OpenMP setup
+    # one thread, pinned or floating: the worker is forked (patches.patch_cpu_worker_fork), one thread stage-wide
+    for one in (stage_binding(plan, ident, {"HYBRID_CPUS": "3"}), unpinned_binding([0, 1], 1)):
+        env = vllm_env(*_built(1)[:3], one, {})
+        assert env["HYBRID_FORK_WORKER"] == "1" and env["OMP_NUM_THREADS"] == "1"
     from vllm_hybrid.launcher import binding_cpus
     from vllm_hybrid.strategies.coprocessor import server_env
     assert binding_cpus(shared) == "unpinned: 16 threads over 0-63" and binding_cpus(own) == "4-18"

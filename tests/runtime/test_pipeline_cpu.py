@@ -41,6 +41,19 @@ def test_layer_split_is_what_the_plan_says(pipeline):
     assert all("vllm_hybrid patches applied" in l for l in logs)
 
 
+def test_one_thread_stages_fork_their_processes_and_pin_the_worker_to_the_stage_core(pipeline):
+    """Each stage runs one OpenMP thread on its own core: vLLM's engine core and worker are forked, not spawned (one
+    interpreter start each, patches.patch_cpu_engine_fork / patch_cpu_worker_fork), so the plugin ran once per stage,
+    and the worker still sits on the stage's core, as vLLM's spawned worker did through OMP_PLACES."""
+    import re
+    for i, env in enumerate(CPU_ENVS):
+        log = pipeline.log(i)
+        assert log.count("vllm_hybrid patches applied") == 1, log[-3000:]
+        pid = int(re.search(rf"Worker_PP{i} pid=(\d+)", log).group(1))
+        status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+        assert status["Cpus_allowed_list"].strip() == env["HYBRID_CPUS"]
+
+
 def test_streaming_chat(pipeline):
     body = {"model": "tiny", "stream": True, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "hello"}]}
