@@ -674,8 +674,10 @@ def die_with_parent() -> None:
     import ctypes
     import signal
 
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
     def ask_for_sigkill():
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
     ask_for_sigkill()
     # fork clears the request, and forked children (the CPU engine core and worker) load no plugin again
@@ -704,6 +706,17 @@ def patch_no_cpu_aot_load(decorators) -> None:
     APPLIED.append("decorators._try_load_aot_compiled_fn(CPU: compile, do not load)")
 
 
+def _forking(get_mp_context):
+    """A vLLM module's get_mp_context that runs upstream's (its checks, its environment for the workers it starts)
+    and forks."""
+    import multiprocessing
+
+    def forking():
+        get_mp_context()
+        return multiprocessing.get_context("fork")
+    return forking
+
+
 def patch_cpu_engine_fork(engine_utils) -> None:
     """vllm.v1.engine.utils.get_mp_context, as CoreEngineProcManager calls it: fork the engine core on CPU.
 
@@ -711,15 +724,7 @@ def patch_cpu_engine_fork(engine_utils) -> None:
     the environment when libgomp loads). The engine core only schedules; it still spawns its workers, so
     they keep their binding, and forking it saves one fresh import of torch and vLLM on the path to ready
     (7 s of a stage's start on 2 cores)."""
-    import multiprocessing
-
-    upstream = engine_utils.get_mp_context
-
-    def get_mp_context():
-        upstream()  # keeps vLLM's checks and its environment for the workers
-        return multiprocessing.get_context("fork")
-
-    engine_utils.get_mp_context = get_mp_context
+    engine_utils.get_mp_context = _forking(engine_utils.get_mp_context)
     APPLIED.append("engine.utils.get_mp_context(CPU: fork the engine core)")
 
 
@@ -731,21 +736,15 @@ def patch_cpu_worker_fork(multiproc_executor) -> None:
     With one thread there is nothing to place but the worker itself, pinned here to its core as vLLM's OMP_PLACES
     would; and no OpenMP thread pool exists to be lost in the fork. Saves a fresh import of torch and vLLM on each
     stage's way to ready (7 s on 2 cores). Several threads or ranks: spawned, as upstream."""
-    import multiprocessing
-
-    upstream_context, upstream_main = multiproc_executor.get_mp_context, multiproc_executor.WorkerProc.worker_main
+    upstream_main = multiproc_executor.WorkerProc.worker_main
     core = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
-    def get_mp_context():
-        upstream_context()
-        return multiprocessing.get_context("fork")
 
     def worker_main(*args, **kwargs):
         if core.isdigit():
             os.sched_setaffinity(0, {int(core)})
         return upstream_main(*args, **kwargs)
 
-    multiproc_executor.get_mp_context = get_mp_context
+    multiproc_executor.get_mp_context = _forking(multiproc_executor.get_mp_context)
     multiproc_executor.WorkerProc.worker_main = staticmethod(worker_main)
     APPLIED.append("multiproc_executor.get_mp_context + WorkerProc.worker_main(CPU, one thread: fork the worker)")
 
