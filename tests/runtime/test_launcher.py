@@ -271,6 +271,17 @@ def test_coprocessor_server_threads_one_per_core_and_passive():
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1"
 
 
+def test_expert_server_threads_spin_between_layers_unless_the_stage_says_passive():
+    from vllm_hybrid.strategies.coprocessor import WAIT_ENV, server_env
+    binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]}, reserve=0)
+    image = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "INFINITY", "PATH": "/bin"}
+    spin = server_env(binding, image, 1, "cpu", wait="spin")
+    assert "OMP_WAIT_POLICY" not in spin and "GOMP_SPINCOUNT" not in spin and spin["OMP_NUM_THREADS"] == "4"
+    assert server_env(binding, {**image, WAIT_ENV: "passive"}, 1, "cpu", wait="spin")["OMP_WAIT_POLICY"] == "PASSIVE"
+    with pytest.raises(ValueError, match="HYBRID_SERVER_WAIT='sleep': one of passive, spin"):
+        server_env(binding, {WAIT_ENV: "sleep"}, 1, "cpu")
+
+
 def test_coprocessor_needs_one_cpu_stage_per_gpu_stage():
     from vllm_hybrid.strategies import resolve_split
     three = {**PLAN, "strategy": "coprocessor",

@@ -328,6 +328,9 @@ def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_h
     server = get("experts").server(plan, lay, Identity(1, 2, "10.0.0.1", None), base)
     assert server.argv[:4] == ("-m", "vllm_hybrid.experts", "--socket", sock)
     assert server.summary["for_stage"] == 0
+    from vllm_hybrid.cpubind import plan_binding
+    spins = server.env(plan_binding([1, 2], {0: [1, 2]}, reserve=0), {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert "OMP_WAIT_POLICY" not in spins  # its threads spin between two MoE layers (the product server's sleep)
     assert get("experts").server(plan, lay, ident, base) is None
 
 

