@@ -391,6 +391,8 @@ CONFIGS = {
     # every layer on the GPU, the CPU stage's 16 streamed from its region and split with it at decode
     "e-coproc": lambda m: run_pipeline(m, True, "coprocessor", "coproc"),  # 4 KiB shmem pages unless reserved
     "e-coproc-huge": lambda m: huge_run(8, run_pipeline, m, True, "coprocessor", "coproc-huge"),
+    # the product server's threads spinning between products (HYBRID_SERVER_WAIT; its default: asleep at once)
+    "e-coproc-spin": lambda m: run_pipeline(m, True, "coprocessor", "coproc-spin", HYBRID_SERVER_WAIT="spin"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
     # HYBRID_BENCH_MODEL larger than the GPU, split by the planner from the box's GPU and host memory
@@ -401,6 +403,7 @@ CONFIGS = {
     "p-experts": lambda m: run_planned(m, "experts"),  # the record caps CUDA graphs at its decode steps (64)
     "p-experts-sgl": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="sgl"),  # the server's packed kernels
     "p-experts-grouped": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="grouped"),
+    "p-experts-passive": lambda m: run_planned(m, "experts", HYBRID_SERVER_WAIT="passive"),  # threads asleep at once
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,
 }

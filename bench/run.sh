@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make bench` on the GPU machine (after the vLLM bundle is in /tmp/pack, see tests/gpu/README.md):
 #   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-cpu-first d-balanced (the default),
-#   b-offload-uva, b-prefetch-plain, e-coproc, e-coproc-huge (strategy coprocessor, 4 KiB / 2 MiB pages),
+#   b-offload-uva, b-prefetch-plain, e-coproc, e-coproc-huge (strategy coprocessor, 4 KiB / 2 MiB pages), e-coproc-spin,
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
-#   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped
+#   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-passive
 #   p-auto p-prefetch-plain (split by the planner from this box's memories); at about a second a step use
 #   HYBRID_BENCH_CONCURRENCY=1,4,16 HYBRID_BENCH_PROMPT_TOKENS=32 HYBRID_BENCH_OUTPUT_TOKENS=16
 #   HYBRID_BENCH_TTFT=1024 HYBRID_BENCH_BATCHED_TOKENS=512 (bench/results/README.md): about 5 minutes each.
