@@ -294,6 +294,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
         out["log_lines"] = [line.split("] ", 1)[-1] for text in logs for line in text.splitlines()
                             if "split with the GEMM helper on" in line or "KV cache size" in line
                             or "coprocessor: " in line or "weights region:" in line or "measured at start" in line
+                            or "kernels measured on layer" in line or " experts of " in line  # the expert server's kernel
                             or "Memory profiling" in line or "cpu_kvcache_space" in line.lower()]
         if strategy in ("offload", "coprocessor"):
             wanted = "UVAOffloader" if plan.get("offload_backend") == "uva" else "PrefetchOffloader"
@@ -391,8 +392,8 @@ CONFIGS = {
     # every layer on the GPU, the CPU stage's 16 streamed from its region and split with it at decode
     "e-coproc": lambda m: run_pipeline(m, True, "coprocessor", "coproc"),  # 4 KiB shmem pages unless reserved
     "e-coproc-huge": lambda m: huge_run(8, run_pipeline, m, True, "coprocessor", "coproc-huge"),
-    # the product server's threads spinning between products (HYBRID_SERVER_WAIT; its default: asleep at once)
-    "e-coproc-spin": lambda m: run_pipeline(m, True, "coprocessor", "coproc-spin", HYBRID_SERVER_WAIT="spin"),
+    # the product server's threads asleep at once between products (HYBRID_SERVER_WAIT; the default spins a while)
+    "e-coproc-passive": lambda m: run_pipeline(m, True, "coprocessor", "coproc-passive", HYBRID_SERVER_WAIT="passive"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
     # HYBRID_BENCH_MODEL larger than the GPU, split by the planner from the box's GPU and host memory
@@ -403,7 +404,7 @@ CONFIGS = {
     "p-experts": lambda m: run_planned(m, "experts"),  # the record caps CUDA graphs at its decode steps (64)
     "p-experts-sgl": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="sgl"),  # the server's packed kernels
     "p-experts-grouped": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="grouped"),
-    "p-experts-passive": lambda m: run_planned(m, "experts", HYBRID_SERVER_WAIT="passive"),  # threads asleep at once
+    "p-experts-passive": lambda m: run_planned(m, "experts", HYBRID_SERVER_WAIT="passive"),  # its threads asleep at once
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,
 }

@@ -263,22 +263,16 @@ def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_l
     assert flag(argv, "--offload-prefetch-step") == "1" and flag(argv, "--offload-num-in-group") == "15"
 
 
-def test_coprocessor_server_threads_one_per_core_and_passive():
-    from vllm_hybrid.strategies.coprocessor import server_env
-    binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]}, reserve=0)
-    env = server_env(binding, {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}, 1, "cpu")
-    assert env["OMP_NUM_THREADS"] == "4" and env["GOMP_CPU_AFFINITY"] == binding.omp_bind.replace(",", " ")
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1"
-
-
-def test_expert_server_threads_spin_between_layers_unless_the_stage_says_passive():
+def test_server_threads_one_per_core_spinning_between_calls_unless_the_stage_says_passive():
     from vllm_hybrid.strategies.coprocessor import WAIT_ENV, server_env
     binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]}, reserve=0)
     image = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "INFINITY", "PATH": "/bin"}
-    spin = server_env(binding, image, 1, "cpu", wait="spin")
-    assert "OMP_WAIT_POLICY" not in spin and "GOMP_SPINCOUNT" not in spin and spin["OMP_NUM_THREADS"] == "4"
-    assert server_env(binding, {**image, WAIT_ENV: "passive"}, 1, "cpu", wait="spin")["OMP_WAIT_POLICY"] == "PASSIVE"
-    with pytest.raises(ValueError, match="HYBRID_SERVER_WAIT='sleep': one of passive, spin"):
+    env = server_env(binding, image, 1, "cpu")
+    assert env["OMP_NUM_THREADS"] == "4" and env["GOMP_CPU_AFFINITY"] == binding.omp_bind.replace(",", " ")
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1" and env["PATH"] == "/bin"
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env  # libgomp's own: spin a while, then sleep
+    assert server_env(binding, {**image, WAIT_ENV: "passive"}, 1, "cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
+    with pytest.raises(ValueError, match="HYBRID_SERVER_WAIT='sleep': one of spin, passive"):
         server_env(binding, {WAIT_ENV: "sleep"}, 1, "cpu")
 
 

@@ -20,31 +20,30 @@ def coproc_socket(env: dict[str, str], replica: int, cpu_stage: int) -> str:
     return shm_socket(env, replica, cpu_stage, "coproc")
 
 
-WAIT_ENV = "HYBRID_SERVER_WAIT"  # the stage's env may override a server's default: passive | spin
-WAITS = ("passive", "spin")
+WAIT_ENV = "HYBRID_SERVER_WAIT"  # the stage's env may override how the server's threads wait: spin | passive
+WAITS = ("spin", "passive")
 
 
-def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str, wait: str = "passive") -> dict[str, str]:
+def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str) -> dict[str, str]:
     """Its torch threads one per core of the stage's binding (libgomp places thread i on the i-th CPU), waiting
-    between two calls as `wait` says: passive (asleep at once) or spin (libgomp's default: spin ~300k rounds, then
-    sleep), whatever the image sets."""
-    wait = base.get(WAIT_ENV) or wait
+    between two calls as HYBRID_SERVER_WAIT says, whatever the image sets: spin (the default, libgomp's own: spin
+    ~300k rounds, then sleep) or passive (asleep at once)."""
+    # woken from sleep at every call, the threads start one after another: one H100 lease, coprocessor's decode
+    # 2.5-17% slower (bench/results/gpu_bench-coproc-h100-spin.json), the expert server's replica 70 GB/s against 81
+    wait = base.get(WAIT_ENV) or "spin"
     if wait not in WAITS:
         raise ValueError(f"{WAIT_ENV}={wait!r}: one of {', '.join(WAITS)}")
     env = {k: v for k, v in base.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(binding.threads_per_rank), HYBRID_STAGE=str(stage),
                HYBRID_STAGE_NAME=name)
-    if wait == "passive":
-        # the product server: OMP_WAIT_POLICY=ACTIVE made each product 8 ms instead of 1.3 (the server's own
-        # thread spins too; bench/results/coproc_probe.json)
+    if wait == "passive":  # never ACTIVE: spinning for ever, each product took 8 ms instead of 1.3 (coproc_probe.json)
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if binding.pinned:
         env["GOMP_CPU_AFFINITY"] = binding.omp_bind.replace(",", " ")
     return env
 
 
-def cpu_pod_server(plan: Plan, lay: Layout, ident, env: dict[str, str], module: str, role: str,
-                   wait: str = "passive") -> Server | None:
+def cpu_pod_server(plan: Plan, lay: Layout, ident, env: dict[str, str], module: str, role: str) -> Server | None:
     """A cpu stage's server (python -m vllm_hybrid.<module>) for the gpu stage lay.servers pairs it with, on the
     socket shm_socket names by `module`; None on any other stage."""
     served = dict(lay.servers)
@@ -54,7 +53,7 @@ def cpu_pod_server(plan: Plan, lay: Layout, ident, env: dict[str, str], module: 
     port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
     return Server(argv=("-m", f"vllm_hybrid.{module}", "--socket", sock, "--metrics-port", str(port)),
                   summary={"role": role, "for_stage": served[ident.stage], "socket": sock},
-                  env=lambda binding, base: server_env(binding, base, ident.stage, name, wait))
+                  env=lambda binding, base: server_env(binding, base, ident.stage, name))
 
 
 class Coprocessor(Strategy):

@@ -190,9 +190,7 @@ class Experts(Strategy):
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed)))
 
     def server(self, plan, lay, ident, env) -> Server | None:
-        # its threads spin between two MoE layers (the GPU's work between them is ~0.15 ms): woken from sleep at
-        # every layer they read 70 GB/s instead of 81 at one token (bench/results/experts_serving-h100.json)
-        return cpu_pod_server(plan, lay, ident, env, "experts", "experts", wait="spin")
+        return cpu_pod_server(plan, lay, ident, env, "experts", "experts")
 
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
         """bench/bounds.py's terms: a decode step reads the cpu experts its tokens route to from DRAM (the gpu's
