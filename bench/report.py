@@ -1,30 +1,47 @@
 """gpu_bench.json -> markdown (tokens/s, ratios to offload, TTFT, CPU-stage efficiency, what `auto`
 picks) + PNG plot. Usage: python bench/report.py [bench/results/gpu_bench.json]"""
 import json
+import re
 import sys
 from pathlib import Path
 
+from vllm_hybrid import node
 from vllm_hybrid.plan import plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
-from vllm_hybrid.strategies import Hardware, resolve
+from vllm_hybrid.strategies import resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
          "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-passive")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
-          "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc")}
+          "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc", "e-coproc-passive")}
 # (what auto runs, measured as: the first found)
 
 
-def auto_pick(concurrency: int, dram_gbs: float) -> str:
-    """What `strategy: auto` runs for the CPU-first 16+16 plan at this concurrency on this box."""
+def node_figures(r: dict, dram: float) -> dict[str, float]:
+    """What a stage of `auto` measures at start (node.py), as this lease's runs logged it: the DRAM read, and where
+    a coprocessor ran, its copies and the median of its products' one-row rates."""
+    figures = {"dram_gbs": dram} if dram else {}
+    for line in (line for run in r.values() if isinstance(run, dict) for line in run.get("log_lines", [])):
+        if m := re.search(r"measured at start in .*?: DRAM read .*? GB/s; products GB/s by shape at 1/4/16/64 rows: "
+                          r"(.*)$", line):
+            rates = sorted(float(part.split()[1].split("/")[0]) for part in m.group(1).split(", "))
+            figures["cpu_gemv_gbs"] = rates[len(rates) // 2]
+        if m := re.search(r"copies from the region ([0-9.]+) GB/s", line):
+            figures["copy_gbs"] = float(m.group(1))
+    return figures
+
+
+def auto_pick(concurrency: int, figures: dict[str, float]) -> str:
+    """What `strategy: auto` runs for the CPU-first 16+16 plan at this concurrency on this box, from the figures
+    its stages would measure there."""
     plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "auto",
                            "max_num_batched_tokens": 4096, "expected_concurrency": concurrency,
                            "expected_prompt_tokens": 128, "expected_output_tokens": 128,
                            "stages": [{"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "24Gi"},
                                       {"name": "gpu", "device": "gpu", "layers": 16}]})
-    lay, _ = resolve(plan, split_layers(plan, SHAPE), Hardware(dram_gbs=dram_gbs))
+    lay, _ = resolve(plan, split_layers(plan, SHAPE), node.hardware(plan, figures))
     return lay.strategy
 
 
@@ -109,6 +126,7 @@ def main(path="bench/results/gpu_bench.json"):
     if not configs:
         sys.exit(f"{path}: no measured configuration ({', '.join(ORDER + PLANNED)}) has waves")
     conc = [w["concurrency"] for w in r[configs[0]]["waves"]]
+    figures = node_figures(r, dram)
     at = lambda k, i, f="tok_per_s": r[k]["waves"][i][f]
     pipes = [k for k in configs if k[0] in "cde"]
     # the reference: vLLM's prefetch offloader on plain `vllm serve` where it ran, else ours
@@ -119,7 +137,7 @@ def main(path="bench/results/gpu_bench.json"):
         best = max(pipes, key=lambda k: at(k, i)) if pipes else None
         b = at(ref, i) if ref else None
         ratio = f"{at(best, i) / b:.2f}x ({best})" if best and b else "-"
-        pick = auto_pick(c, dram)
+        pick = auto_pick(c, figures)
         picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
         top = max(at(k, i) for k in configs if k[0] in "bcde")
         auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"

@@ -79,13 +79,20 @@ def build_stage(args, env: dict[str, str]):
     ident = identity_from_env(env, args.stage, args.replica)
     if not 0 <= ident.stage < len(plan.stages):
         raise PlanError(f"stage: {ident.stage} is out of range, the plan has {len(plan.stages)} stages")
+    from . import node
     from .strategies import get, resolve_split
     # set by the operator: its client Service sends requests to stage 0's pods
     api_stage = int(env["HYBRID_API_STAGE"]) if env.get("HYBRID_API_STAGE") else None
     # set by the operator: 0 where the replica's pods do not share /dev/shm (no GEMM helper then)
     shared_shm = env.get("HYBRID_SHM_SHARED", "1") == "1"
-    split, lay, estimates = resolve_split(plan, model_shape(read_model_config(plan.model), plan.dtype),
-                                          args.gpu_memory, api_stage=api_stage, shared_shm=shared_shm)
+    shape, hw = model_shape(read_model_config(plan.model), plan.dtype), None
+    if node.needed(plan, shared_shm):  # auto: from what the stages measure of this node, the same for all
+        figures = node.figures_for(plan, ident.stage, ident.replica, env)
+        hw, env[node.FIGURES_ENV] = node.hardware(plan, figures), json.dumps(figures)
+        log.info("node measured at start: %s; the cost model's figures: %s%s", figures, node.used(hw),
+                 " (spec.hardware overrides " + ", ".join(k for k, _ in plan.hardware) + ")" if plan.hardware else "")
+    split, lay, estimates = resolve_split(plan, shape, args.gpu_memory, hw=hw, api_stage=api_stage,
+                                          shared_shm=shared_shm)
     log.info(strategy_line(plan, lay, estimates))
     if ident.stage not in lay.stages:  # no vLLM here: the strategy's own server (coprocessor's), else nothing
         server = get(lay.strategy).server(plan, lay, ident, env)

@@ -6,6 +6,7 @@ Fed from the hooks in patches.py; the labels come from the launcher's environmen
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -97,7 +98,9 @@ class StageMetrics:
 
 
 _METRICS: StageMetrics | None = None
-MEASURED: dict[str, float] = {}  # node figures measured before the metrics exist (the coprocessor's at load)
+# node figures measured before the metrics exist: the coprocessor's at load, and what the launcher measured for
+# strategy auto (node.FIGURES_ENV)
+MEASURED: dict[str, float] = {k: float(v) for k, v in json.loads(os.environ.get("HYBRID_NODE_FIGURES") or "{}").items()}
 
 
 def current() -> StageMetrics | None:

@@ -1,0 +1,169 @@
+"""What `strategy: auto` knows of the node: figures the stages measure at start instead of fitted ones (issue 28).
+
+The first cpu stage of the plan measures, on its own cores, the DRAM read bandwidth and its CPU's product rate at
+one row (the memory-bound decode step; torch's, as the coprocessor's server runs them) and at 64 (compute, logged
+only: on the H100 box torch's GEMMs gave 1.2-1.4x the reference box's rate, where vLLM's CPU stage decodes at 0.45x
+of it, so `cpu_token_speed` stays fitted or given); the first gpu stage the host-to-GPU copy rate from page-locked
+memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
+torch threads and no CUDA context) and writes its part once, into the replica's shared /dev/shm; every stage waits
+for all parts and resolves `auto` from the same figures, so they agree. A stage restarted alone reads the parts
+its running peers used instead of measuring again. The plan's `hardware` (spec.hardware) overrides any of them.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+from .plan import Plan, PlanError
+from .strategies.cost import Hardware
+
+FIGURES_ENV = "HYBRID_NODE_FIGURES"  # the merged figures, handed to vLLM's process for its metrics (JSON)
+WAIT_ENV = "HYBRID_NODE_WAIT"        # seconds a stage waits for its peers' parts (default 900: images still pulling)
+MEASURE_BYTES_ENV = "HYBRID_NODE_MEASURE_BYTES"  # bytes of weights the cpu part reads (tests shrink it)
+GEMV_SHAPE = (4096, 14336)  # a product of the common 7-8B MLPs (N x K)
+
+
+def needed(plan: Plan, shared_shm: bool) -> bool:
+    """Only `auto` over gpu and cpu stages that share /dev/shm measures (elsewhere every stage reads the plan)."""
+    devices = {s.is_cpu for s in plan.stages}
+    return plan.strategy == "auto" and shared_shm and devices == {True, False}
+
+
+def part_of(plan: Plan, stage: int) -> str | None:
+    """The part this stage measures: cpu (the plan's first cpu stage), gpu (its first gpu stage), or None."""
+    first = {s.is_cpu: i for i, s in reversed(list(enumerate(plan.stages)))}
+    return {first.get(True): "cpu", first.get(False): "gpu"}.get(stage)
+
+
+def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str) -> str:
+    """Keyed by the stages as planned: a new spec (other cpus, devices) measures again."""
+    key = hashlib.sha256(json.dumps([s.__dict__ for s in plan.stages], sort_keys=True, default=str).encode())
+    return os.path.join(shm_dir, f".hybrid-{instance}-r{replica}-node-{key.hexdigest()[:12]}-{part}.json")
+
+
+def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
+    """This process's threads: DRAM read GB/s, bf16 product GB/s of weights at 1 row, TFLOP/s per core at 64 rows."""
+    import torch
+
+    from .coproc import measure_dram_read
+    n, k = GEMV_SHAPE
+    count = max(2, nbytes // (n * k * 2))  # distinct weights beyond the caches: each read comes from DRAM
+    out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
+    ws = [torch.full((n, k), 0.01, dtype=torch.bfloat16) for _ in range(count)]
+    for rows in (1, 64):
+        x, y = torch.randn(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
+        torch.matmul(x, ws[0].t(), out=y)  # the kernel's own set-up
+        seconds = float("inf")
+        for _ in range(3):  # best of three passes: one pass on the H100 box read 34 GB/s, the next 74
+            t0 = time.perf_counter()
+            for w in ws:
+                torch.matmul(x, w.t(), out=y)
+            seconds = min(seconds, time.perf_counter() - t0)
+        if rows == 1:
+            out["cpu_gemv_gbs"] = round(count * n * k * 2 / seconds / 1e9, 2)
+        else:
+            out["cpu_tflops_per_core"] = round(count * 2 * rows * n * k / seconds / 1e12 / torch.get_num_threads(), 4)
+    return out
+
+
+def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
+    """Host-to-GPU copy GB/s from page-locked memory (best of three); nothing where CUDA is not there."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(4):  # the first warms up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return {"copy_gbs": round(nbytes / best / 1e9, 2)}
+
+
+def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
+    """The cost model's figures: the measured ones where there are, the plan's `hardware` over both."""
+    hw, measured = Hardware(), {}
+    if dram := figures.get("dram_gbs"):
+        # vLLM's CPU stage reads its weights at cpu_decode_efficiency of it (its sgl kernel; torch's one-row
+        # products, measured here, are the coprocessor's)
+        measured["dram_gbs"] = dram
+    if copy := figures.get("copy_gbs"):
+        measured["prefetch_pcie_gbs"] = copy
+        # the coprocessor reads the CPU rows and streams the GPU's at once, both from the one DRAM
+        cpu = figures.get("cpu_gemv_gbs", hw.coproc_gbs - hw.prefetch_pcie_gbs)
+        measured["coproc_gbs"] = min(copy + cpu, measured.get("dram_gbs", hw.dram_gbs))
+    return replace(hw, **{**measured, **dict(plan.hardware)})
+
+
+def used(hw: Hardware) -> str:
+    """The figures the measurements set, as the log shows them."""
+    keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed")
+    return ", ".join(f"{k} {getattr(hw, k):.3g}" for k in keys)
+
+
+def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
+    """Run the measurement in a child process (its own threads, its own CUDA context that goes with it)."""
+    import subprocess
+    args = [sys.executable, "-m", "vllm_hybrid.node", part]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise PlanError(f"strategy auto: measuring the node ({part}) failed: {done.stderr.strip()[-400:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part) -> dict[str, float]:
+    """This stage's part measured and published where it is the one to measure and nobody has (a stage restarted
+    alone keeps its peers' figures), then every part, once all are there."""
+    shm_dir, instance = env.get("HYBRID_SHM_DIR", "/dev/shm"), env.get("HYBRID_INSTANCE", "local")
+    paths = {part: part_path(plan, shm_dir, instance, replica, part) for part in ("cpu", "gpu")}
+    mine = part_of(plan, stage)
+    if mine and not os.path.exists(paths[mine]):
+        if mine == "cpu" and not env.get(MEASURE_BYTES_ENV):  # at most an eighth of the pod's memory, before vLLM's
+            env = {**env, MEASURE_BYTES_ENV: str(min(1 << 30, (plan.stages[stage].memory_bytes or 8 << 30) // 8))}
+        t0 = time.monotonic()
+        figures = dict(measure(mine, env))
+        figures[f"{mine}_measure_s"] = round(time.monotonic() - t0, 2)
+        tmp = f"{paths[mine]}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(figures, f)
+        os.replace(tmp, paths[mine])  # whole or absent: a peer never reads half a file
+    timeout, out = float(env.get(WAIT_ENV, 900)), {}
+    end = time.monotonic() + timeout
+    for part, path in paths.items():
+        while not os.path.exists(path):
+            if time.monotonic() > end:
+                who = next(s.name for i, s in enumerate(plan.stages) if part_of(plan, i) == part)
+                raise PlanError(f"strategy auto: stage {who} did not measure the node's {part} figures within "
+                                f"{timeout:.0f} s ({path}); is it running, and does it share /dev/shm with this pod?")
+            time.sleep(0.2)
+        with open(path) as f:
+            out.update(json.load(f))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm_hybrid.node", description="measure this node's figures for strategy auto")
+    p.add_argument("part", choices=("cpu", "gpu"))
+    args = p.parse_args(argv)
+    nbytes = int(os.environ.get(MEASURE_BYTES_ENV, 1 << 30))
+    if args.part == "cpu":
+        import torch
+
+        from .cpubind import parse_cpulist
+        if os.environ.get("HYBRID_CPUS"):  # local runs: the stage's cores (a pod's cpuset is its affinity already)
+            os.sched_setaffinity(0, parse_cpulist(os.environ["HYBRID_CPUS"]))
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    print(json.dumps(measure_cpu(nbytes) if args.part == "cpu" else measure_gpu(nbytes)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

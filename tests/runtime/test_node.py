@@ -1,0 +1,111 @@
+"""strategy auto from what the stages measure of their node (node.py): the measurements, the hand-over through the
+replica's /dev/shm, and the cost model's figures from them, the plan's own over both."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import yaml
+from vllm_hybrid import node
+from vllm_hybrid.plan import PlanError, plan_from_dict
+from vllm_hybrid.planner import model_shape
+from vllm_hybrid.strategies import Hardware, resolve_split
+from vllm_hybrid.tinymodel import LLAMA_3_1_8B
+
+STAGES = [{"name": "gpu", "device": "gpu", "layers": 16}, {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15,
+                                                           "memory": "24Gi"}]
+RAW = {"model": "/models/llama", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "auto",
+       "expected_concurrency": 1, "stages": STAGES}
+
+
+def measure(part: str, nbytes: int = 64 << 20) -> dict:
+    r = subprocess.run([sys.executable, "-m", "vllm_hybrid.node", part], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, node.MEASURE_BYTES_ENV: str(nbytes), "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_needs_cuda():
+    cpu = measure("cpu")
+    assert set(cpu) == {"dram_gbs", "cpu_gemv_gbs", "cpu_tflops_per_core"} and all(v > 0 for v in cpu.values())
+    assert measure("gpu") == {}  # no CUDA here: the copy rate stays the model's own
+
+
+def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
+    plan = plan_from_dict(RAW)
+    figures = {"dram_gbs": 80.0, "cpu_gemv_gbs": 60.0, "cpu_tflops_per_core": 0.286, "copy_gbs": 50.0}
+    hw = node.hardware(plan, figures)
+    assert (hw.dram_gbs, hw.prefetch_pcie_gbs, hw.coproc_gbs) == (80.0, 50.0, 80.0)  # copy and CPU within DRAM's read
+    assert node.hardware(plan, {**figures, "dram_gbs": 200.0}).coproc_gbs == 110.0  # copy and CPU add up
+    # what is not measured, or measured but not what the model means by it (torch's GEMMs for cpu_token_speed)
+    d = Hardware()
+    assert (hw.gpu_step_s, hw.cpu_token_speed, hw.cpu_decode_efficiency) == (d.gpu_step_s, 1.0, d.cpu_decode_efficiency)
+    given = node.hardware(plan_from_dict({**RAW, "hardware": {"dram_gbs": 120.0, "cpu_token_speed": 0.5}}), figures)
+    assert (given.dram_gbs, given.cpu_token_speed, given.prefetch_pcie_gbs) == (120.0, 0.5, 50.0)
+    assert node.hardware(plan, {}) == Hardware()
+
+
+def test_auto_follows_the_measured_node():
+    """The same plan on a node whose DRAM reads 10 GB/s and one that reads 200: slow memory streams more (offload
+    or coprocessor's copies), fast memory computes on the CPU."""
+    plan, shape = plan_from_dict(RAW), model_shape(LLAMA_3_1_8B)
+    picks = {}
+    for dram in (10.0, 200.0):
+        hw = node.hardware(plan, {"dram_gbs": dram, "cpu_gemv_gbs": 0.9 * dram, "copy_gbs": 55.0})
+        picks[dram] = resolve_split(plan, shape, hw=hw)[2]
+    assert picks[10.0] != picks[200.0]
+    assert max(picks[200.0].values()) > max(picks[10.0].values())
+
+
+def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_them(tmp_path):
+    plan = plan_from_dict({**RAW, "stages": [*STAGES, {"name": "cpu2", "device": "cpu", "layers": 2, "cpus": 1,
+                                                  "memory": "4Gi"}]})
+    env = {"HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
+    calls = []
+
+    def fake(part, _env):
+        calls.append(part)
+        return {"cpu": {"dram_gbs": 90.0, "cpu_gemv_gbs": 70.0}, "gpu": {"copy_gbs": 54.0}}[part]
+
+    got = {}
+    threads = [threading.Thread(target=lambda s=s: got.update({s: node.figures_for(plan, s, 0, env, fake)}))
+               for s in (2, 0, 1)]  # the last stage measures nothing and waits for both
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(calls) == ["cpu", "gpu"]  # the first cpu stage and the first gpu stage, once each
+    assert got[0] == got[1] == got[2] and got[0]["dram_gbs"] == 90.0 and got[0]["copy_gbs"] == 54.0
+    assert got[0]["cpu_measure_s"] >= 0 and got[0]["gpu_measure_s"] >= 0
+    assert node.figures_for(plan, 1, 0, env, fake) == got[1] and len(calls) == 2  # restarted: no new measurement
+    other = plan_from_dict({**RAW, "stages": [STAGES[0], dict(STAGES[1], cpus=8)]})
+    with pytest.raises(PlanError, match=r"stage gpu did not measure the node's gpu figures within 0 s"):
+        node.figures_for(other, 1, 0, {**env, node.WAIT_ENV: "0"}, fake)  # another spec: measured afresh
+
+
+def test_the_launcher_measures_for_auto_logs_it_and_every_stage_picks_the_same(tiny_llama, tmp_path):
+    plan = {**RAW, "model": str(tiny_llama), "dtype": "float32", "max_model_len": 512,
+            "stages": [{"name": "gpu", "device": "gpu", "layers": 2},
+                       {"name": "cpu", "device": "cpu", "layers": 2, "cpus": 2, "memory": "4Gi"}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "HYBRID_CPUS": "0-1", "HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t",
+           node.MEASURE_BYTES_ENV: str(64 << 20), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = lambda stage: [sys.executable, "-m", "vllm_hybrid.cli", "serve", "--plan", str(path), "--stage", stage,
+                         "--dry-run"]
+    procs = [subprocess.Popen(cmd(s), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for s in ("0", "1")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lines = [next(line for line in err.splitlines() if "node measured at start" in line) for _, err in outs]
+    figures = [line.split("node measured at start: ", 1)[1].split("; the cost model", 1)[0] for line in lines]
+    assert figures[0] == figures[1] and "'dram_gbs'" in figures[0] and "'cpu_measure_s'" in figures[0]
+    picked = [next(line for line in err.splitlines() if "strategy: auto -> " in line).split("auto -> ")[1].split(";")[0]
+              for _, err in outs]
+    assert picked[0] == picked[1]
+    metrics = subprocess.run([sys.executable, "-c", "from vllm_hybrid import stage_metrics; print(stage_metrics.MEASURED)"],
+                             env={**env, node.FIGURES_ENV: json.dumps({"dram_gbs": 90.5})}, capture_output=True,
+                             text=True, timeout=60)
+    assert metrics.stdout.strip() == "{'dram_gbs': 90.5}", metrics.stderr  # hybrid_stage_measured{figure=...}
