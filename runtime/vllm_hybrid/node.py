@@ -25,6 +25,7 @@ from .strategies.cost import Hardware
 FIGURES_ENV = "HYBRID_NODE_FIGURES"  # the merged figures, handed to vLLM's process for its metrics (JSON)
 WAIT_ENV = "HYBRID_NODE_WAIT"        # seconds a stage waits for its peers' parts (default 900: images still pulling)
 MEASURE_BYTES_ENV = "HYBRID_NODE_MEASURE_BYTES"  # bytes of weights the cpu part reads (tests shrink it)
+THREADS_ENV = "HYBRID_NODE_THREADS"  # the cpu part's threads (default: every CPU it may run on)
 GEMV_SHAPE = (4096, 14336)  # a product of the common 7-8B MLPs (N x K)
 
 
@@ -126,8 +127,9 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
     paths = {part: part_path(plan, shm_dir, instance, replica, part) for part in ("cpu", "gpu")}
     mine = part_of(plan, stage)
     if mine and not os.path.exists(paths[mine]):
-        if mine == "cpu" and not env.get(MEASURE_BYTES_ENV):  # at most an eighth of the pod's memory, before vLLM's
-            env = {**env, MEASURE_BYTES_ENV: str(min(1 << 30, (plan.stages[stage].memory_bytes or 8 << 30) // 8))}
+        if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
+            env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
+                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8))}
         t0 = time.monotonic()
         figures = dict(measure(mine, env))
         figures[f"{mine}_measure_s"] = round(time.monotonic() - t0, 2)
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         from .cpubind import parse_cpulist
         if os.environ.get("HYBRID_CPUS"):  # local runs: the stage's cores (a pod's cpuset is its affinity already)
             os.sched_setaffinity(0, parse_cpulist(os.environ["HYBRID_CPUS"]))
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
+        torch.set_num_threads(min(cpus, int(os.environ.get(THREADS_ENV) or cpus)))
     print(json.dumps(measure_cpu(nbytes) if args.part == "cpu" else measure_gpu(nbytes)))
     return 0
 

@@ -65,8 +65,10 @@ def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_the
     env = {"HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
     calls = []
 
-    def fake(part, _env):
+    def fake(part, measure_env):
         calls.append(part)
+        if part == "cpu":  # the stage's 15 cpus, not the whole cpuset; 1 GiB, an eighth of its 24Gi at most
+            assert (measure_env[node.THREADS_ENV], measure_env[node.MEASURE_BYTES_ENV]) == ("15", str(1 << 30))
         return {"cpu": {"dram_gbs": 90.0, "cpu_gemv_gbs": 70.0}, "gpu": {"copy_gbs": 54.0}}[part]
 
     got = {}
