@@ -105,12 +105,25 @@ def tree_rss(roots: list[int]) -> list[tuple[int, int]]:
 STAGE_PIDS: list[int] = []  # the running configuration's stage processes, in stage order
 
 
+def settled_used_bytes(quiet_s: float = 3.0, limit_s: float = 60.0) -> int:
+    """Host memory in use once the previous configuration's has gone back (it drops for seconds after its
+    processes exit: a second run's baseline taken at once read 3.4 GB of host memory against the first's 25.4)."""
+    used, end, last_drop = host_used_bytes()[0], time.monotonic() + limit_s, time.monotonic()
+    while time.monotonic() < end and time.monotonic() - last_drop < quiet_s:
+        time.sleep(0.5)
+        now = host_used_bytes()[0]
+        if now < used - (64 << 20):
+            last_drop = time.monotonic()
+        used = min(used, now)
+    return used
+
+
 class Peaks:
     """Peak host memory (above the baseline at start), per stage (its process tree's RssAnon and RssShmem)
     and GPU memory while a configuration runs."""
 
     def __init__(self, every_s: float = 0.5):
-        self.base, self.every_s = host_used_bytes()[0], every_s
+        self.base, self.every_s = settled_used_bytes(), every_s
         self.host = self.shmem = self.huge = self.gpu = 0
         self.stages: list[tuple[int, int]] = []
         STAGE_PIDS.clear()
