@@ -8,7 +8,6 @@ import textwrap
 import time
 
 import pytest
-
 from vllm_hybrid.local import free_port
 from vllm_hybrid.supervise import group_members, process_tree
 
