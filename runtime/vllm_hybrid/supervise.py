@@ -446,11 +446,6 @@ def run_supervised(argv: list[str], env: dict[str, str] | None, heartbeat: Heart
                 return code
             if stopping.is_set():
                 log.info("termination requested: stopping vLLM")
-                if heartbeat:
-                    # stage 0 of a group being restarted: the new group's peers, starting while this one takes up
-                    # to its grace to stop, must not take it for their stage 0 (they failed on it when it went:
-                    # the group restarted three times, ci11)
-                    heartbeat.stop()
                 terminate_group(proc)
                 return 0
             if heartbeat and heartbeat.lost:
