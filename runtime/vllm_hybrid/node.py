@@ -20,9 +20,10 @@ import time
 from dataclasses import replace
 
 from .plan import Plan, PlanError
+from .stage_metrics import NODE_FIGURES_ENV
 from .strategies.cost import Hardware
 
-FIGURES_ENV = "HYBRID_NODE_FIGURES"  # the merged figures, handed to vLLM's process for its metrics (JSON)
+FIGURES_ENV = NODE_FIGURES_ENV  # the merged figures, handed to vLLM's process for its metrics (JSON)
 WAIT_ENV = "HYBRID_NODE_WAIT"        # seconds a stage waits for its peers' parts (default 900: images still pulling)
 MEASURE_BYTES_ENV = "HYBRID_NODE_MEASURE_BYTES"  # bytes of weights the cpu part reads (tests shrink it)
 THREADS_ENV = "HYBRID_NODE_THREADS"  # the cpu part's threads (default: every CPU it may run on)
@@ -48,45 +49,27 @@ def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str) 
 
 
 def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
-    """This process's threads: DRAM read GB/s, bf16 product GB/s of weights at 1 row, TFLOP/s per core at 64 rows."""
+    """This process's threads: DRAM read GB/s, bf16 product GB/s of weights at 1 row, TFLOP/s per core at 64 rows,
+    timed as the coprocessor's server times its products."""
     import torch
 
-    from .coproc import measure_dram_read
+    from .coproc import measure_dram_read, measure_products, shape_key
     n, k = GEMV_SHAPE
     count = max(2, nbytes // (n * k * 2))  # distinct weights beyond the caches: each read comes from DRAM
     out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
     ws = [torch.full((n, k), 0.01, dtype=torch.bfloat16) for _ in range(count)]
-    for rows in (1, 64):
-        x, y = torch.randn(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
-        torch.matmul(x, ws[0].t(), out=y)  # the kernel's own set-up
-        seconds = float("inf")
-        for _ in range(3):  # best of three passes: one pass on the H100 box read 34 GB/s, the next 74
-            t0 = time.perf_counter()
-            for w in ws:
-                torch.matmul(x, w.t(), out=y)
-            seconds = min(seconds, time.perf_counter() - t0)
-        if rows == 1:
-            out["cpu_gemv_gbs"] = round(count * n * k * 2 / seconds / 1e9, 2)
-        else:
-            out["cpu_tflops_per_core"] = round(count * 2 * rows * n * k / seconds / 1e12 / torch.get_num_threads(), 4)
-    return out
+    gbs = measure_products(ws, rows=(1, 64))[shape_key(n, k)]
+    # 64 rows: each weight byte pair (one bf16) takes 2 x 64 flops
+    return {**out, "cpu_gemv_gbs": gbs[1], "cpu_tflops_per_core": round(gbs[64] * 64 / 1e3 / torch.get_num_threads(), 4)}
 
 
 def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Host-to-GPU copy GB/s from page-locked memory (best of three); nothing where CUDA is not there."""
+    """Host-to-GPU copy GB/s from page-locked memory, as the coprocessor times its region's; nothing without CUDA."""
     import torch
     if not torch.cuda.is_available():
         return {}
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(4):  # the first warms up
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return {"copy_gbs": round(nbytes / best / 1e9, 2)}
+    from .coproc import measure_copy
+    return {"copy_gbs": measure_copy(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes)}
 
 
 def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:

@@ -98,9 +98,9 @@ class StageMetrics:
 
 
 _METRICS: StageMetrics | None = None
-# node figures measured before the metrics exist: the coprocessor's at load, and what the launcher measured for
-# strategy auto (node.FIGURES_ENV)
-MEASURED: dict[str, float] = {k: float(v) for k, v in json.loads(os.environ.get("HYBRID_NODE_FIGURES") or "{}").items()}
+NODE_FIGURES_ENV = "HYBRID_NODE_FIGURES"  # what the launcher measured of the node for strategy auto (node.py), JSON
+# node figures measured before the metrics exist: the coprocessor's at load, and the launcher's
+MEASURED: dict[str, float] = {k: float(v) for k, v in json.loads(os.environ.get(NODE_FIGURES_ENV) or "{}").items()}
 
 
 def current() -> StageMetrics | None:
