@@ -48,15 +48,16 @@ def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
 
 
 def test_auto_follows_the_measured_node():
-    """The same plan on a node whose DRAM reads 10 GB/s and one that reads 200: slow memory streams more (offload
-    or coprocessor's copies), fast memory computes on the CPU."""
+    """The same plan on a node whose DRAM reads 10 GB/s and one that reads 200: slow memory streams every layer
+    (offload), fast memory computes with the CPU (coprocessor)."""
     plan, shape = plan_from_dict(RAW), model_shape(LLAMA_3_1_8B)
-    picks = {}
+    picks, estimates = {}, {}
     for dram in (10.0, 200.0):
         hw = node.hardware(plan, {"dram_gbs": dram, "cpu_gemv_gbs": 0.9 * dram, "copy_gbs": 55.0})
-        picks[dram] = resolve_split(plan, shape, hw=hw)[2]
-    assert picks[10.0] != picks[200.0]
-    assert max(picks[200.0].values()) > max(picks[10.0].values())
+        _, lay, estimates[dram] = resolve_split(plan, shape, hw=hw)
+        picks[dram] = lay.strategy
+    assert picks == {10.0: "offload", 200.0: "coprocessor"}
+    assert max(estimates[200.0].values()) > max(estimates[10.0].values())
 
 
 def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_them(tmp_path):
