@@ -90,7 +90,7 @@ def run(variant: str, cpus: list[int]) -> dict:
         torch.set_num_threads(len(cpus) + 1)
     log.seek(0)
     text = log.read()
-    if m := re.search(r"kernels measured .*?: (\{.*?\}) GB/s", text):
+    if m := re.search(r"kernels measured .*?\): (.*?); serving", text):
         out["measured_at_start"] = m.group(1)
     out["served_with"] = (re.findall(r"threads with (.*?) \(ready", text) or ["?"])[0]
     print(json.dumps(out), flush=True)

@@ -106,14 +106,17 @@ def test_packed_kernel_in_place_equals_the_dense_reference(choice):
 
 
 def test_kernels_measured_at_start_leave_the_region_as_it_is(monkeypatch):
-    """HYBRID_EXPERTS_KERNEL=auto (the default): the server times every kernel that runs here on one layer and
-    serves with the fastest; the packed ones run on a copy, so the region still holds the plain experts."""
+    """HYBRID_EXPERTS_KERNEL=auto (the default): the server times every kernel that runs here on one layer, at one
+    token and at a batch, and serves with the best of both; the packed ones run on a copy, so the region still
+    holds the plain experts."""
     all_experts = make_experts(E, torch.bfloat16)
     remote = [2, 5]
     weights = [tuple(w.clone() for w in all_experts[e]) for e in remote]
-    choice, gbs = experts.measure_kernels(remote, weights, repeats=1)
-    assert set(gbs) == {"torch", *experts.PACKED_KERNELS} and all(v > 0 for v in gbs.values())  # AMX: all three
-    assert choice == max(gbs, key=gbs.get)
+    choice, gbs = experts.measure_kernels(remote, weights, seconds=0.02)
+    assert set(gbs) == {"torch", *experts.PACKED_KERNELS}  # AMX: all three
+    assert all(len(v) == 2 and min(v) > 0 for v in gbs.values())
+    assert choice == max(gbs, key=lambda k: gbs[k][0] * gbs[k][1])
+    assert experts.measured_words({"torch": (60.1, 62.0), "sgl": (95.0, 85.7)}) == "torch 60.1/62, sgl 95/85.7"
     assert all(torch.equal(w[i], all_experts[e][i]) for w, e in zip(weights, remote) for i in (0, 1))
     monkeypatch.setenv(experts.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="HYBRID_EXPERTS_KERNEL='fastest': one of auto, torch, sgl, grouped"):
