@@ -285,7 +285,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
     plan = {"model": str(model), "served_model_name": "m", "dtype": "bfloat16", "load_format": "dummy",
             "strategy": strategy, "stages": stages, **SHAPE, **local_ports(), **(plan_extra or {})}
     cpu_cores = set(parse_cpulist(tuning["env"]["HYBRID_CPUS"]))
-    if strategy in ("balanced", "coprocessor"):
+    if strategy in ("balanced", "coprocessor", "auto"):  # auto: as coprocessor, its pick on the measured figures
         # balanced: the GEMM helper gets a core of its own (the launcher takes the GPU stage's last);
         # coprocessor: the GPU stage's processes get a second core, not shared with the spinning server
         cpu_cores.discard(max(cpu_cores) if strategy == "balanced" else min(cpu_cores))
@@ -407,6 +407,8 @@ CONFIGS = {
     "e-coproc-huge": lambda m: huge_run(8, run_pipeline, m, True, "coprocessor", "coproc-huge"),
     # the product server's threads asleep at once between products (HYBRID_SERVER_WAIT; the default spins a while)
     "e-coproc-passive": lambda m: run_pipeline(m, True, "coprocessor", "coproc-passive", HYBRID_SERVER_WAIT="passive"),
+    # auto on the node's figures measured at start (node.py): the stages wait at most 3 minutes for each other's
+    "e-auto": lambda m: run_pipeline(m, True, "auto", "auto", HYBRID_NODE_WAIT="180"),
     # vLLM's default for pipelines: as many batches in flight as stages (micro-batches take turns)
     "c-cpu-first-2batches": lambda m: run_pipeline(m, False, name="cpu-first-2batches", HYBRID_BATCHES_IN_FLIGHT="2"),
     # HYBRID_BENCH_MODEL larger than the GPU, split by the planner from the box's GPU and host memory

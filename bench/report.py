@@ -12,7 +12,7 @@ from vllm_hybrid.strategies import resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
-         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-passive")
+         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-passive", "e-auto")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
           "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc", "e-coproc-passive")}
@@ -137,10 +137,13 @@ def main(path="bench/results/gpu_bench.json"):
         best = max(pipes, key=lambda k: at(k, i)) if pipes else None
         b = at(ref, i) if ref else None
         ratio = f"{at(best, i) / b:.2f}x ({best})" if best and b else "-"
-        pick = auto_pick(c, figures)
-        picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
         top = max(at(k, i) for k in configs if k[0] in "bcde")
-        auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"
+        if "e-auto" in configs:  # a live run: what its stages resolved on the figures they measured
+            pick, auto = f"{r['e-auto']['resolved'][0]['strategy']} (live)", f"{at('e-auto', i) / top:.2f}x"
+        else:
+            pick = auto_pick(c, figures)
+            picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
+            auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"
         rows.append(f"| {c} | " + " | ".join(f"{at(k, i):.2f}" for k in configs) + f" | {ratio} | {pick} | {auto} |")
     rows.append("| TPOT ms, concurrency 1 / 64 | " + " | ".join(
         f"{at(k, 0, 'tpot_ms')} / {at(k, len(conc) - 1, 'tpot_ms')}" for k in configs) + " | | | |")
