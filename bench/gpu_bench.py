@@ -56,13 +56,9 @@ OFFLOAD_GIB = 6.5  # = decoder layers 16-31 of the 8B shape in bf16 (16 x 0.406 
 
 def dram_read_gbs(threads: int = 15) -> float:
     import torch
+    from cpu_kernels import dram_read_gbs as measured
     torch.set_num_threads(threads)
-    x = torch.ones(2 << 30 >> 2, dtype=torch.float32)  # 2 GiB
-    x.sum()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        x.sum()
-    return round(5 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9, 1)
+    return round(measured(torch), 1)
 
 
 def meminfo() -> dict[str, int]:
@@ -295,6 +291,8 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
     envs = [{**GPU_ENV, "HYBRID_CPUS": gpu_cores} if s["device"] == "gpu" else {**CPU_ENV, **tuning["env"]}
             for s in stages]
     work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
+    for old_log in work.glob("stage-*.log"):  # a run's logs are its own (LocalPipeline appends: restarts)
+        old_log.unlink()
     with LocalPipeline(plan, work, envs) as pipe:
         STAGE_PIDS.extend(p.pid for p in pipe.procs)
         ready = pipe.wait_ready(timeout=READY_TIMEOUT)

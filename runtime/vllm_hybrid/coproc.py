@@ -29,6 +29,7 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -171,9 +172,12 @@ def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
     parallel in ATen, where an int32 sum ran at 5 GB/s on the H100 box's 14 threads)."""
     view = flat[:min(nbytes, flat.numel())]
     view[: 1 << 20].max()
-    t0 = time.perf_counter()
-    view.max()
-    return float(f"{view.numel() / (time.perf_counter() - t0) / 1e9:.3g}")
+    best = math.inf
+    for _ in range(3):  # the best of three: one pass read 57-96 GB/s on one H100 box
+        t0 = time.perf_counter()
+        view.max()
+        best = min(best, time.perf_counter() - t0)
+    return float(f"{view.numel() / best / 1e9:.3g}")
 
 
 def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:

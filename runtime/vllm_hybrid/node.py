@@ -105,11 +105,27 @@ def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
 
 def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part) -> dict[str, float]:
     """This stage's part measured and published where it is the one to measure and nobody has (a stage restarted
-    alone keeps its peers' figures), then every part, once all are there."""
+    alone keeps its peers' figures), then every part, once all are there. The gpu part waits for the cpu part: the
+    copy engine reads the same DRAM, so both measured at once read less (57 GB/s of DRAM against 96 on the H100
+    box, copies 49.9 against 53.3)."""
     shm_dir, instance = env.get("HYBRID_SHM_DIR", "/dev/shm"), env.get("HYBRID_INSTANCE", "local")
     paths = {part: part_path(plan, shm_dir, instance, replica, part) for part in ("cpu", "gpu")}
+    timeout = float(env.get(WAIT_ENV, 900))
+    end = time.monotonic() + timeout
+
+    def wait(part: str) -> None:
+        while not os.path.exists(paths[part]):
+            if time.monotonic() > end:
+                who = next(s.name for i, s in enumerate(plan.stages) if part_of(plan, i) == part)
+                raise PlanError(f"strategy auto: stage {who} did not measure the node's {part} figures within "
+                                f"{timeout:.0f} s ({paths[part]}); is it running, and does it share /dev/shm with "
+                                f"this pod?")
+            time.sleep(0.2)
+
     mine = part_of(plan, stage)
     if mine and not os.path.exists(paths[mine]):
+        if mine == "gpu":
+            wait("cpu")
         if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
             env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
                    or str(min(1 << 30, plan.stages[stage].memory_bytes // 8))}
@@ -120,15 +136,9 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
         with open(tmp, "w") as f:
             json.dump(figures, f)
         os.replace(tmp, paths[mine])  # whole or absent: a peer never reads half a file
-    timeout, out = float(env.get(WAIT_ENV, 900)), {}
-    end = time.monotonic() + timeout
+    out = {}
     for part, path in paths.items():
-        while not os.path.exists(path):
-            if time.monotonic() > end:
-                who = next(s.name for i, s in enumerate(plan.stages) if part_of(plan, i) == part)
-                raise PlanError(f"strategy auto: stage {who} did not measure the node's {part} figures within "
-                                f"{timeout:.0f} s ({path}); is it running, and does it share /dev/shm with this pod?")
-            time.sleep(0.2)
+        wait(part)
         with open(path) as f:
             out.update(json.load(f))
     return out

@@ -64,22 +64,24 @@ def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_the
     plan = plan_from_dict({**RAW, "stages": [*STAGES, {"name": "cpu2", "device": "cpu", "layers": 2, "cpus": 1,
                                                   "memory": "4Gi"}]})
     env = {"HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
-    calls, threads = [], []
+    calls, threads, cpu_path = [], [], node.part_path(plan, str(tmp_path), "t", 0, "cpu")
 
     def fake(part, measure_env):
         calls.append(part)
+        # the copies read the same DRAM: the gpu part measures once the cpu part is done, not beside it
+        assert part == "cpu" or os.path.exists(cpu_path)
         if part == "cpu":  # the stage's cpus, not the whole cpuset; 1 GiB at most, an eighth of its memory
             threads.append((measure_env[node.THREADS_ENV], measure_env[node.MEASURE_BYTES_ENV]))
         return {"cpu": {"dram_gbs": 90.0, "cpu_gemv_gbs": 70.0}, "gpu": {"copy_gbs": 54.0}}[part]
 
     got = {}
     stages = [threading.Thread(target=lambda s=s: got.update({s: node.figures_for(plan, s, 0, env, fake)}))
-              for s in (2, 0, 1)]  # the last stage measures nothing and waits for both
+              for s in (2, 0, 1)]  # the last stage measures nothing and waits for both; the gpu stage starts first
     for t in stages:
         t.start()
     for t in stages:
         t.join(30)
-    assert sorted(calls) == ["cpu", "gpu"] and threads == [("15", str(1 << 30))]  # the first cpu stage and the first gpu stage, once each
+    assert calls == ["cpu", "gpu"] and threads == [("15", str(1 << 30))]  # the first cpu stage and the first gpu stage, once each
     assert got[0] == got[1] == got[2] and got[0]["dram_gbs"] == 90.0 and got[0]["copy_gbs"] == 54.0
     assert got[0]["cpu_measure_s"] >= 0 and got[0]["gpu_measure_s"] >= 0
     assert node.figures_for(plan, 1, 0, env, fake) == got[1] and len(calls) == 2  # restarted: no new measurement
