@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -159,3 +160,33 @@ def test_the_cpu_pod_measures_its_products_and_dram_within_its_time_windows():
     assert time.monotonic() - t0 < 5.0  # four windows of 0.02 s (and a loaded machine's stalls), not a fixed count
     assert set(rates) == {"256x64", "64x256"} and all(set(by) == {1, 4} and min(by.values()) > 0 for by in rates.values())
     assert coproc.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
+
+
+def mapped_kib(address: int) -> int:
+    """Rss of this process's mapping that starts at `address`: the pages its page tables hold."""
+    lines, found = open("/proc/self/smaps").read().splitlines(), False
+    for line in lines:
+        if "-" in line.split()[0] and not line.split()[0].endswith(":"):
+            found = int(line.split("-")[0], 16) == address
+        elif found and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_the_server_maps_the_pages_the_main_stage_wrote_before_it_measures():
+    """A fresh mapping of pages another process wrote faults on each page at first read, which read at half speed
+    and made the start measurements the CPU's rate: the server's mapping of the weights holds every page at once."""
+    from vllm_hybrid.cpu_server import weights_and_manifest
+    server, main = socket.socketpair()
+    nbytes, got = 16 << 20, {}
+    t = threading.Thread(target=lambda: got.update(zip(("flat", "manifest"), weights_and_manifest(server, "t", "shmem"))))
+    t.start()
+    send_msg(main, {"weights_bytes": nbytes})
+    reply = recv_msg(main, max_fds=1)
+    m, size = hostmem.open_fd(reply["fds"][0])
+    torch.frombuffer(m, dtype=torch.uint8).fill_(7)  # the loader's writes, through the main stage's own mapping
+    send_msg(main, {"products": []})
+    t.join(30)
+    flat = got["flat"]
+    assert got["manifest"] == {"products": []} and size == flat.numel() == nbytes
+    assert mapped_kib(flat.data_ptr()) == nbytes >> 10
