@@ -139,7 +139,7 @@ def main(path="bench/results/gpu_bench.json"):
         ratio = f"{at(best, i) / b:.2f}x ({best})" if best and b else "-"
         top = max(at(k, i) for k in configs if k[0] in "bcde")
         if "e-auto" in configs:  # a live run: what its stages resolved on the figures they measured
-            pick, auto = f"{r['e-auto']['resolved'][0]['strategy']} (live)", f"{at('e-auto', i) / top:.2f}x"
+            pick, auto = f"{r['e-auto'].get('picked') or r['e-auto']['resolved'][0]['strategy']} (live)", f"{at('e-auto', i) / top:.2f}x"
         else:
             pick = auto_pick(c, figures)
             picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
