@@ -155,11 +155,14 @@ MILESTONES = r"vllm-hybrid resolved|\b(took|takes)\b [\d.]+ ?s|Starting vLLM|sta
 
 def restart_timeline(kube, ns: str, deleted_at: float) -> dict:
     """Where a group restart's time goes, from the new pods (the API server's clock, whole seconds) and each
-    stage's log lines where vLLM times its own start."""
+    stage's log lines where vLLM times its own start; and every group restart the operator made after the delete,
+    with its cause (a group that re-forms more than once shows why: the pods it replaced are gone by then)."""
     def since(stamp: str) -> float:  # RFC 3339, to the second (objects) or the nanosecond (log lines)
         whole, _, frac = stamp.rstrip("Z").partition(".")
         return round(datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{frac or 0}") - deleted_at, 1)
-    out = {}
+    restarts = sorted((since(at), e.get("count", 1), e["message"][:400]) for e in kube.get("events", "-n", ns)["items"]
+                      if e["reason"] == "GroupRestart" and (at := e.get("lastTimestamp") or e.get("eventTime")))
+    out = {"group restarts": [f"{at} (x{n}) {message}" for at, n, message in restarts if at >= -1]}
     for name, pod in sorted(pods(kube, ns).items()):
         status = pod.get("status", {})
         started = [c["state"]["running"]["startedAt"] for c in status.get("containerStatuses", [])
