@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -423,7 +424,15 @@ CONFIGS = {
 }
 
 
+def stop_on_sigterm(*_) -> None:
+    """SIGTERM (a timeout's, which run.sh passes on too) unwinds: each run's finally stops its vLLM stages, which
+    run in sessions of their own and would keep the GPU's memory. Once: a second SIGTERM would cut the clean-up."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def main(names):
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     OUT.mkdir(parents=True, exist_ok=True)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:

@@ -18,5 +18,8 @@ mkdir -p "$HYBRID_BENCH_OUT"
 # what the CPU stage's GEMMs reach here, and which kernel/placement the pipeline runs then use
 [ -f "$HYBRID_BENCH_OUT/cpu_kernels.json" ] || PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps CUDA_VISIBLE_DEVICES= \
   VLLM_TARGET_DEVICE=cpu python3 bench/cpu_kernels.py "$HYBRID_BENCH_OUT/cpu_kernels.json"
-PYTHONPATH=/tmp/hyb:/tmp/vb/deps:/tmp/vb/site-gpu python3 bench/gpu_bench.py "$@"
+PYTHONPATH=/tmp/hyb:/tmp/vb/deps:/tmp/vb/site-gpu python3 bench/gpu_bench.py "$@" & bench=$!
+# a timeout's SIGTERM (or ^C) reaches the bench, which stops its vLLM stages (they hold the GPU otherwise)
+trap 'kill -TERM $bench 2>/dev/null; wait $bench; exit 143' TERM INT
+wait $bench
 PYTHONPATH=/tmp/hyb python3 bench/report.py "$HYBRID_BENCH_OUT/gpu_bench.json"
