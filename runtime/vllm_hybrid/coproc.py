@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_server
 from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 
 log = logging.getLogger("vllm_hybrid.coproc")
@@ -158,12 +159,12 @@ def measure_products(ws: list[torch.Tensor], rows=MEASURE_ROWS, seconds: float =
         for t in rows:
             x, y = torch.randn(t, k, dtype=group[0].dtype), torch.empty(t, n, dtype=group[0].dtype)
             torch.matmul(x, group[-1].t(), out=y)  # first call: the kernel's own set-up
-            done, i, t0 = 0, 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - t0) < seconds or i == 0:
+
+            def product(i: int) -> int:
                 w = group[i % len(group)]
                 torch.matmul(x, w.t(), out=y)
-                done, i = done + w.numel() * w.element_size(), i + 1
-            out[key][t] = float(f"{done / elapsed / 1e9:.3g}")  # 3 digits: a tiny test's rate is not 0.0
+                return w.numel() * w.element_size()
+            out[key][t] = cpu_server.window_gbs(product, seconds)
     return out
 
 

@@ -30,6 +30,15 @@ def closed(sock: socket.socket) -> bool:
         return True
 
 
+def window_gbs(step: Callable[[int], int], seconds: float) -> float:
+    """GB/s of step(0), step(1), ... (each runs one call and returns the bytes it read) over a window of `seconds`,
+    one call at least: how both servers time their kernels at start (a window, not a best of a few calls)."""
+    done, i, t0 = 0, 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or i == 0:
+        done, i = done + step(i), i + 1
+    return float(f"{done / elapsed / 1e9:.3g}")  # 3 digits: a tiny test's rate is not 0.0
+
+
 def wait_request(words, stop: Callable[[], bool], idle_check: float = 0.5) -> int:
     """Spin on the request word (words[0]) until it is non-zero; 0 once `stop()` turns true (asked while idle)."""
     spins, since = 0, time.monotonic()

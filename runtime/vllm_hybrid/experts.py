@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import hostmem
+from . import cpu_server, hostmem
 from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
     BYTES_ENV,
@@ -290,11 +290,11 @@ def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tens
 
     def gb_per_s(layer: LayerExperts, steps, nbytes: int) -> float:
         layer.compute(*steps[-1])  # warms up: AMX tiles, scratch buffers
-        done, i, t0 = 0, 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < seconds or i == 0:
+
+        def step(i: int) -> int:
             layer.compute(*steps[i % len(steps)])
-            done, i = done + nbytes, i + 1
-        return float(f"{done / elapsed / 1e9:.3g}")  # three significant digits: tiny test experts too
+            return nbytes
+        return cpu_server.window_gbs(step, seconds)
 
     def both(layer: LayerExperts) -> tuple[float, float]:
         return gb_per_s(layer, one, expert_bytes), gb_per_s(layer, batch, expert_bytes * len(ids))
