@@ -440,7 +440,11 @@ def main(names):
     model = make_shaped_model(OUT / f"model-{MODEL}-shape", MODELS[MODEL])
     results_path = OUT / "gpu_bench.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    results.setdefault("dram_read_gbs", dram_read_gbs())
+    # every call measures again and the bound takes the fastest read: one H100 box read 96.1 GB/s at one call
+    # and 117.8 at a call ten minutes later, and a bound holds only if nothing beats it
+    earlier = results.get("dram_reads_gbs") or ([results["dram_read_gbs"]] if "dram_read_gbs" in results else [])
+    results["dram_reads_gbs"] = [*earlier, dram_read_gbs()]
+    results["dram_read_gbs"] = max(results["dram_reads_gbs"])
     if any(n.startswith("p-") for n in names):
         results["planned"] = {"model": MODEL, **planned_splits()}
     for name in names:

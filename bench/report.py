@@ -160,7 +160,9 @@ def main(path="bench/results/gpu_bench.json"):
         if any(field in r[k] for k in configs):
             rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | | |")
     effs = [e for k in configs if k.startswith("c-") and (e := cpu_stage_efficiency(r, k, dram))]
+    reads = r.get("dram_reads_gbs", [])
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s" + (
+        f" (the fastest of {len(reads)} calls' reads: {' / '.join(map(str, reads))})" if len(reads) > 1 else "") + (
         f"; bound = 6.98 GB / DRAM + the all-GPU step ({'a-all-gpu' if 'a-all-gpu' in configs else f'{GPU_STEP_MS} ms'})"
         if dram else "") + "\n\n" + "".join(f"- {e}\n" for e in effs)
     path.with_suffix(".md").write_text(md)
