@@ -97,6 +97,25 @@ def failed_at(pod: dict[str, Any]) -> str | None:
     return max((e for e in ends if e), default=None)
 
 
+def follows_a_restart(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> bool:
+    """Whether the trigger's failure is a follower's "peer lost" of a group that is already re-forming: every
+    other live pod of its replica was created after that run started, so the stage it lost is already gone and
+    replaced. A replacement that joined the old group's stopping stage 0 ends so; deleting the new pods for it
+    started the cycle again (the real-node test's group re-formed three times in 90 s). The kubelet's restart of
+    its container joins the new group."""
+    failed = next((term for cs in trigger.get("status", {}).get("containerStatuses", [])
+                   for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated"))
+                   if term and term.get("exitCode", 0) != 0), None)
+    if not failed or failed.get("exitCode") != EXIT_PEER_LOST or not failed.get("startedAt"):
+        return False
+    instance = (trigger["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
+    peers = [p for p in pods if (p["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL) == instance
+             and pod_index(p) == pod_index(trigger) and p["metadata"]["name"] != trigger["metadata"]["name"]
+             and not p["metadata"].get("deletionTimestamp")]
+    # RFC 3339 seconds sort as text; a peer created in the run's first second may be the one it lost: not newer
+    return all((p["metadata"].get("creationTimestamp") or "") > failed["startedAt"] for p in peers)
+
+
 def victims(event_type: str | None, trigger: dict[str, Any], pods: list[dict[str, Any]], replicas: int,
             stage_count: int) -> tuple[list[str], str | None]:
     """Names of pods to delete so replica i re-forms, and the reason (for the Event)."""
@@ -111,6 +130,8 @@ def victims(event_type: str | None, trigger: dict[str, Any], pods: list[dict[str
         reason, cutoff = f"pod {trigger['metadata']['name']} was deleted", None
     else:
         reason, cutoff = restart_reason(trigger), failed_at(trigger)
+        if reason and follows_a_restart(trigger, pods):
+            return [], None
     if reason is None:
         return [], None
     instance = trigger["metadata"].get("labels", {}).get(names.INSTANCE_LABEL)

@@ -554,6 +554,34 @@ def test_the_cause_of_a_replica_failure_is_a_stages_own_error_not_the_peer_lost_
     assert "OOM" in group_restart.replica_cause(first, [then, first])[1]
 
 
+async def test_a_replacement_that_lost_the_old_groups_stage_0_does_not_restart_the_new_group(kmock, api):
+    """The tail's pod is deleted; its replacement starts at once and joins the old head, which the group restart
+    then deletes: the new tail ends "peer lost" (exit 75). Its peers are all newer than that run, so the group is
+    already re-forming: its kubelet restart joins the new head and nothing is deleted. A "peer lost" whose head is
+    older than the run is a real loss: the replica re-forms."""
+    from hybrid_operator import group_restart
+    body = make_body()
+    put_instance(kmock, body)
+
+    def follower(head_created):
+        tail = pod("cpu", 0, 1, created="2026-01-01T00:00:00Z", restarts=1)
+        tail["status"]["containerStatuses"][0]["lastState"] = {"terminated": {
+            "exitCode": group_restart.EXIT_PEER_LOST, "reason": "Error", "startedAt": "2026-01-01T00:00:01Z",
+            "finishedAt": "2026-01-01T00:00:05Z", "message": "peer lost (stage 0 closed its heartbeat)"}}
+        for p in (tail, pod("gpu", 0, 0, created=head_created)):
+            kmock.objects["v1/pods", "ml", p["metadata"]["name"]] = p
+        return tail
+
+    assert await handle_pod_event(api, "MODIFIED", follower("2026-01-01T00:00:03Z")) == []
+    assert set(live(kmock, "v1/pods")) == {"llama-cpu-0", "llama-gpu-0"}
+    assert not [e for e in live(kmock, "v1/events").values() if e["reason"] == "GroupRestart"]
+    assert "failures" not in live(kmock, HI)["llama"].get("status", {})
+    # a head created before the tail's run, or in its first second: the tail may have lost a stage of its own group
+    for head_created in ("2025-12-31T23:59:00Z", "2026-01-01T00:00:01Z"):
+        assert await handle_pod_event(api, "MODIFIED", follower(head_created)) == ["llama-cpu-0", "llama-gpu-0"]
+        kmock.objects[HI, "ml", "llama"].patch({"status": {"failures": []}})  # no backoff between the two cases
+
+
 async def test_a_group_restart_victim_that_ends_with_its_own_cause_replaces_the_peer_lost_in_status(kmock, api):
     """The tail's worker is OOM-killed at load; the head's engine fails on it and its stage says "peer lost"
     (exit 75), which starts the group restart. The tail, terminating as its victim, ends with its own cause
