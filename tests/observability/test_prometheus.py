@@ -421,13 +421,28 @@ def test_every_alert_expression_evaluates(prom, traffic):
 
 
 def worker_of(pipe: LocalPipeline, stage: int) -> int:
-    """The stage's vLLM worker (titled VLLM::Worker_PP<rank>)."""
+    """The stage's vLLM worker (titled VLLM::Worker_PP<rank>): the topmost so titled, as a child it forks keeps
+    its title."""
     from vllm_hybrid.supervise import process_tree
-    for pid in process_tree(pipe.procs[stage].pid):
+
+    def titled(pid: int) -> bool:
         with contextlib.suppress(OSError):
-            if open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"VLLM::Worker"):
-                return pid
-    raise AssertionError(f"no vLLM worker under stage {stage}")
+            return open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"VLLM::Worker")
+        return False
+
+    def parent(pid: int) -> int:
+        with contextlib.suppress(OSError):
+            return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        return 0
+    workers = [pid for pid in process_tree(pipe.procs[stage].pid) if titled(pid) and not titled(parent(pid))]
+    assert len(workers) == 1, f"stage {stage}'s vLLM workers: {workers}"
+    return workers[0]
+
+
+def requests_running(pipe: LocalPipeline) -> float:
+    """vllm:num_requests_running on stage 0's /metrics, read directly (Prometheus scrapes every few seconds)."""
+    text = urllib.request.urlopen(pipe.url + "/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
 
 
 def alert_state(prom: Prom, name: str) -> str | None:
@@ -443,7 +458,7 @@ def test_pipeline_stalled_alert_fires_when_a_worker_hangs(prom, traffic, pipelin
     results: list = []
 
     def ask(i):
-        body = {"model": MODEL, "prompt": f"stall {i}", "max_tokens": 300, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": f"stall {i}", "max_tokens": 400, "ignore_eos": True}
         req = urllib.request.Request(pipeline.url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -452,15 +467,23 @@ def test_pipeline_stalled_alert_fires_when_a_worker_hangs(prom, traffic, pipelin
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(2)
+    # both requests decoding when the worker stops (a fixed 2 s wait once saw them done before it: no stall)
+    deadline = time.monotonic() + 60
+    while requests_running(pipeline) < 2:
+        assert time.monotonic() < deadline and not results, f"the requests never ran together: {results}"
+        time.sleep(0.05)
     worker = worker_of(pipeline, 1)
     os.kill(worker, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
+        stopped = time.monotonic() + 5
+        while open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] not in "tT":
+            assert time.monotonic() < stopped, f"worker {worker} did not stop"
+            time.sleep(0.01)
         while alert_state(prom, "HybridInferencePipelineStalled") != "firing":
             # on failure, which half of the alert's expression was missing (evaluated only then)
             assert time.monotonic() - t0 < STALL_TIMEOUT - 3, (
-                "PipelineStalled did not fire before the stall timeout; since progress: "
+                f"PipelineStalled did not fire before the stall timeout; requests done: {results}; since progress: "
                 f"{values(prom.query('hybrid_stage_seconds_since_progress'))}, requests running: "
                 f"{values(prom.query('vllm:num_requests_running'))}, alert: {alert_state(prom, 'HybridInferencePipelineStalled')}")
             time.sleep(0.5)
@@ -471,7 +494,7 @@ def test_pipeline_stalled_alert_fires_when_a_worker_hangs(prom, traffic, pipelin
         os.kill(worker, signal.SIGCONT)
     for t in threads:
         t.join(120)
-    assert results == [300, 300] and all(p.poll() is None for p in pipeline.procs)
+    assert results == [400, 400] and all(p.poll() is None for p in pipeline.procs)
     print(f"PipelineStalled fired {fired:.1f}s after the worker hung (stall timeout {STALL_TIMEOUT}s)")
 
 
