@@ -10,16 +10,30 @@ BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s do
 EXIT_PEER_LOST = 75  # the runtime's exit code when another stage of its replica went away (supervise.py)
 
 
+def failed_run(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The kubelet's record (`terminated`: exitCode, message, startedAt, finishedAt) of the pod's latest failed run."""
+    return next((term for cs in pod.get("status", {}).get("containerStatuses", [])
+                 for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated"))
+                 if term and term.get("exitCode", 0) != 0), None)
+
+
 def last_failure(pod: dict[str, Any]) -> tuple[int, str, str] | None:
     """(exit code, last line of the termination message, when it ended) of the pod's latest failed run."""
-    for cs in pod.get("status", {}).get("containerStatuses", []):
-        for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated")):
-            if term and term.get("exitCode", 0) != 0:
-                lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
-                code = term.get("exitCode")
-                line = lines[-1][-400:] if lines else f"exit code {code} ({term.get('reason', '')})"
-                return code, line, term.get("finishedAt") or ""
-    return None
+    term = failed_run(pod)
+    if term is None:
+        return None
+    lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
+    code = term.get("exitCode")
+    line = lines[-1][-400:] if lines else f"exit code {code} ({term.get('reason', '')})"
+    return code, line, term.get("finishedAt") or ""
+
+
+def replica_peers(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The other pods of the trigger's replica (same instance, same pod index)."""
+    def instance(pod):
+        return (pod["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
+    return [p for p in pods if instance(p) == instance(trigger) and pod_index(p) == pod_index(trigger)
+            and p["metadata"]["name"] != trigger["metadata"]["name"]]
 
 
 def termination_line(pod: dict[str, Any]) -> str | None:
@@ -32,11 +46,7 @@ def termination_line(pod: dict[str, Any]) -> str | None:
 def replica_cause(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[int, str] | None:
     """(exit code, line): why replica i failed: a stage's own error rather than another stage's "peer lost"
     that followed it."""
-    def instance(pod):
-        return (pod["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
-    mine = [trigger] + [p for p in pods if instance(p) == instance(trigger) and pod_index(p) == pod_index(trigger)
-                        and p["metadata"]["name"] != trigger["metadata"]["name"]]
-    failures = [f for f in map(last_failure, mine) if f]
+    failures = [f for f in map(last_failure, [trigger, *replica_peers(trigger, pods)]) if f]
     # the stage that failed first (RFC 3339 seconds sort as text; ties: the trigger): the others followed it
     own = sorted((f for f in failures if f[0] != EXIT_PEER_LOST), key=lambda f: f[2] or "~")
     return next(((code, line) for code, line, _ in own + failures), None)
@@ -103,15 +113,10 @@ def follows_a_restart(trigger: dict[str, Any], pods: list[dict[str, Any]]) -> bo
     replaced. A replacement that joined the old group's stopping stage 0 ends so; deleting the new pods for it
     started the cycle again (the real-node test's group re-formed three times in 90 s). The kubelet's restart of
     its container joins the new group."""
-    failed = next((term for cs in trigger.get("status", {}).get("containerStatuses", [])
-                   for term in (cs.get("state", {}).get("terminated"), cs.get("lastState", {}).get("terminated"))
-                   if term and term.get("exitCode", 0) != 0), None)
+    failed = failed_run(trigger)
     if not failed or failed.get("exitCode") != EXIT_PEER_LOST or not failed.get("startedAt"):
         return False
-    instance = (trigger["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL)
-    peers = [p for p in pods if (p["metadata"].get("labels") or {}).get(names.INSTANCE_LABEL) == instance
-             and pod_index(p) == pod_index(trigger) and p["metadata"]["name"] != trigger["metadata"]["name"]
-             and not p["metadata"].get("deletionTimestamp")]
+    peers = [p for p in replica_peers(trigger, pods) if not p["metadata"].get("deletionTimestamp")]
     # RFC 3339 seconds sort as text; a peer created in the run's first second may be the one it lost: not newer
     return all((p["metadata"].get("creationTimestamp") or "") > failed["startedAt"] for p in peers)
 

@@ -432,11 +432,16 @@ def worker_of(pipe: LocalPipeline, stage: int) -> int:
 
     def parent(pid: int) -> int:
         with contextlib.suppress(OSError):
-            return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            return int(proc_stat(pid)[1])
         return 0
     workers = [pid for pid in process_tree(pipe.procs[stage].pid) if titled(pid) and not titled(parent(pid))]
     assert len(workers) == 1, f"stage {stage}'s vLLM workers: {workers}"
     return workers[0]
+
+
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ..."""
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
 
 
 def requests_running(pipe: LocalPipeline) -> float:
@@ -477,7 +482,7 @@ def test_pipeline_stalled_alert_fires_when_a_worker_hangs(prom, traffic, pipelin
     t0 = time.monotonic()
     try:
         stopped = time.monotonic() + 5
-        while open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] not in "tT":
+        while proc_stat(worker)[0] not in "tT":
             assert time.monotonic() < stopped, f"worker {worker} did not stop"
             time.sleep(0.01)
         while alert_state(prom, "HybridInferencePipelineStalled") != "firing":
