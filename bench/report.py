@@ -1,5 +1,6 @@
 """gpu_bench.json -> markdown (tokens/s, ratios to offload, TTFT, CPU-stage efficiency, what `auto`
 picks) + PNG plot. Usage: python bench/report.py [bench/results/gpu_bench.json]"""
+import ast
 import json
 import re
 import sys
@@ -24,9 +25,9 @@ def node_figures(r: dict, dram: float) -> dict[str, float]:
     a coprocessor ran, its copies and the median of its products' one-row rates."""
     figures = {"dram_gbs": dram} if dram else {}
     for line in (line for run in r.values() if isinstance(run, dict) for line in run.get("log_lines", [])):
-        if m := re.search(r"measured at start in .*?: DRAM read .*? GB/s; products GB/s by shape at 1/4/16/64 rows: "
-                          r"(.*)$", line):
-            rates = sorted(float(part.split()[1].split("/")[0]) for part in m.group(1).split(", "))
+        # the GPU worker's line: the rates of the kernel the server picked, per shape and step size
+        if m := re.search(r"products \(GB/s at 1/4/16/64 rows\) (\{.*\}) \(", line):
+            rates = sorted(float(by["1"]) for by in ast.literal_eval(m.group(1)).values())
             figures["cpu_gemv_gbs"] = rates[len(rates) // 2]
         if m := re.search(r"copies from the region ([0-9.]+) GB/s", line):
             figures["copy_gbs"] = float(m.group(1))

