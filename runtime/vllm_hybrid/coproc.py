@@ -168,9 +168,6 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
 MEASURE_ROWS = (1, 4, 16, 64)  # the step sizes the split is chosen for (DEFAULT_SHARES' bounds)
 MEASURE_S = 0.12  # per product shape and step size: a stage's start pays a second or two in all
 MIN_CPU_GAIN = 0.15  # split only where the CPU adds this share of the copy's rate (each split has a hand-over)
-COMPUTE_BOUND = 0.5  # nor where the CPU's rate fell below this share of its memory-bound one: the CPU computes more
-# slowly beside the copy than its window measured (sgl at 64 rows, 16-24 GB/s against 59-74 at 1, split: 0.97x the
-# offloader on an H100 box; torch's at 64, 0.65x of its rate at 1, split: 1.21x)
 
 
 def shape_key(n: int, k: int) -> str:
@@ -216,11 +213,16 @@ def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
 
 KERNEL_ENV = "HYBRID_COPROC_KERNEL"
 KERNELS = ("auto", *LAYOUT)
+# torch by default: on three H100 leases sgl's packed region read 59-88 GB/s at one row against torch's 37-72 when timed
+# alone, yet decoded no faster beside the copy (1.44-1.53x the offloader at concurrency 1 against torch's 1.56x: the
+# pass is bound by the DRAM both read) and lost at 64 (0.96-0.97x: the GPU unpacks every streamed weight);
+# bench/results/README.md
+DEFAULT_KERNEL = "torch"
 
 
 def kernel_choice() -> str:
-    """HYBRID_COPROC_KERNEL, checked: auto (the default: time them at start), torch, sgl or sgl5."""
-    choice = os.environ.get(KERNEL_ENV) or "auto"
+    """HYBRID_COPROC_KERNEL, checked: torch (the default), sgl, sgl5, or auto (time them at start)."""
+    choice = os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL
     if choice not in KERNELS:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNELS)}")
     return choice
@@ -263,16 +265,14 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
 
 def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:
     """The GPU's share of a product's rows per step size, so the copy of rows [0, n0) and the CPU's rows end
-    together: copy / (copy + cpu). Step sizes where the CPU adds less than MIN_CPU_GAIN of the copy's rate or turns
-    compute-bound (below COMPUTE_BOUND of its best rate), and all larger ones, are not split: they stream every row,
-    as the offloader alone would."""
+    together: copy / (copy + cpu). Step sizes where the CPU adds less than MIN_CPU_GAIN of the copy's rate, and
+    all larger ones, are not split: they stream every row, as the offloader alone would."""
     out, sizes = [], sorted(cpu_gbs)
-    best = max(cpu_gbs.values(), default=0.0)
     for i, rows in enumerate(sizes):
         # a smaller step reads the same bytes with fewer flops: never slower than a larger one (a short timing
         # window at 4 rows read 28.8 GB/s beside 46.4 at 1 and 52.7 at 16 on the H100 box)
         cpu = max(cpu_gbs[r] for r in sizes[i:])
-        if cpu < MIN_CPU_GAIN * copy_gbs or cpu < COMPUTE_BOUND * best:
+        if cpu < MIN_CPU_GAIN * copy_gbs:
             break
         out.append((rows, round(copy_gbs / (copy_gbs + cpu), 3)))
     return out

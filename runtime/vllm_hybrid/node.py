@@ -1,7 +1,7 @@
 """What `strategy: auto` knows of the node: figures the stages measure at start instead of fitted ones (issue 28).
 
 The first cpu stage of the plan measures, on its own cores, the DRAM read bandwidth and its CPU's product rate at
-one row (the memory-bound decode step, by the kernel the coprocessor's server would pick: torch's or sgl's) and at 64 (compute, logged
+one row (the memory-bound decode step, by the kernel the coprocessor's server would use: HYBRID_COPROC_KERNEL) and at 64 (compute, logged
 only: on the H100 box torch's GEMMs gave 1.2-1.4x the reference box's rate, where vLLM's CPU stage decodes at 0.45x
 of it, so `cpu_token_speed` stays fitted or given); the first gpu stage the host-to-GPU copy rate from page-locked
 memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
@@ -53,12 +53,12 @@ def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
     timed as the coprocessor's server times its products."""
     import torch
 
-    from .coproc import choose_kernel, measure_dram_read, shape_key
+    from .coproc import choose_kernel, kernel_choice, measure_dram_read, shape_key
     n, k = GEMV_SHAPE
     count = max(2, nbytes // (n * k * 2))  # distinct weights beyond the caches: each read comes from DRAM
     out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
     ws = [torch.full((n, k), 0.01, dtype=torch.bfloat16) for _ in range(count)]
-    kernel, rates, _ = choose_kernel(ws, "auto")  # the coprocessor's server's pick: torch's GEMM or sgl's, packed
+    kernel, rates, _ = choose_kernel(ws, kernel_choice())  # as the coprocessor's server would (HYBRID_COPROC_KERNEL)
     gbs = rates[kernel][shape_key(n, k)]
     timed = {f"cpu_gemv_{name}_gbs": by[shape_key(n, k)][1] for name, by in rates.items()}
     # 64 rows: each weight byte pair (one bf16) takes 2 x 64 flops
