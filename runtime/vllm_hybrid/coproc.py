@@ -250,12 +250,13 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
         for w in ws:
             packed.pack_in_place(w, "sgl")
         pack_s = time.perf_counter() - t0
-        rates["sgl"] = measure_products(ws, "sgl")
-        # padded, only the small steps differ: those timed again
-        small = measure_products(ws, "sgl5", rows=[r for r in MEASURE_ROWS if r < SGL_MIN_ROWS])
-        rates["sgl5"] = {key: {**by, **small[key]} for key, by in rates["sgl"].items()}
-        if choice in ("sgl", "sgl5"):
-            rates = {choice: rates[choice]}
+        if choice == "sgl5":
+            rates["sgl5"] = measure_products(ws, "sgl5")
+        else:
+            rates["sgl"] = measure_products(ws, "sgl")
+        if choice == "auto":  # padded, only the small steps differ: those timed again
+            small = measure_products(ws, "sgl5", rows=[r for r in MEASURE_ROWS if r < SGL_MIN_ROWS])
+            rates["sgl5"] = {key: {**by, **small[key]} for key, by in rates["sgl"].items()}
     kernel = min(rates, key=lambda k: pass_seconds(ws, rates[k], 1) + pass_seconds(ws, rates[k], 4))
     if kernel == "torch" and sgl:
         for w in ws:
