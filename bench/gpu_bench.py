@@ -269,7 +269,7 @@ def run_plain(model, extra, env):
 
 
 def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str | None = None,
-                 plan_extra: dict | None = None, stages: list[dict] | None = None, **env):
+                 plan_extra: dict | None = None, stages: list[dict] | None = None, gpu_env: dict | None = None, **env):
     tuning = cpu_tuning()
     tuning["env"].update(env)
     gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
@@ -289,7 +289,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
         tuning["env"]["HYBRID_CPUS"] = ",".join(map(str, sorted(cpu_cores)))
         cpu["cpus"] = len(cpu_cores)
     gpu_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in cpu_cores)
-    envs = [{**GPU_ENV, "HYBRID_CPUS": gpu_cores} if s["device"] == "gpu" else {**CPU_ENV, **tuning["env"]}
+    envs = [{**GPU_ENV, **(gpu_env or {}), "HYBRID_CPUS": gpu_cores} if s["device"] == "gpu" else {**CPU_ENV, **tuning["env"]}
             for s in stages]
     work = OUT / (name or f"{strategy}-{'gpu' if gpu_first else 'cpu'}-first")
     for old_log in work.glob("stage-*.log"):  # a run's logs are its own (LocalPipeline appends: restarts)
@@ -404,6 +404,9 @@ CONFIGS = {
     # every layer on the GPU, the CPU stage's 16 streamed from its region and split with it at decode
     "e-coproc": lambda m: run_pipeline(m, True, "coprocessor", "coproc"),  # 4 KiB shmem pages unless reserved
     "e-coproc-huge": lambda m: huge_run(8, run_pipeline, m, True, "coprocessor", "coproc-huge"),
+    # the split from the rates measured alone, not tuned on passes timed with the copy (coproc_tune)
+    "e-coproc-untuned": lambda m: run_pipeline(m, True, "coprocessor", "coproc-untuned",
+                                               gpu_env={"HYBRID_COPROC_TUNE": "0"}),
     # the product server's threads asleep at once between products (HYBRID_SERVER_WAIT; the default spins a while)
     "e-coproc-passive": lambda m: run_pipeline(m, True, "coprocessor", "coproc-passive", HYBRID_SERVER_WAIT="passive"),
     # auto on the node's figures measured at start (node.py): the stages wait at most 3 minutes for each other's

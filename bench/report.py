@@ -13,10 +13,11 @@ from vllm_hybrid.strategies import resolve
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
-         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-passive", "e-auto")
+         "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-untuned", "e-coproc-passive",
+         "e-auto")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
-          "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc", "e-coproc-passive")}
+          "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc", "e-coproc-untuned", "e-coproc-passive")}
 # (what auto runs, measured as: the first found)
 
 
@@ -161,6 +162,8 @@ def main(path="bench/results/gpu_bench.json"):
         if any(field in r[k] for k in configs):
             rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | | |")
     effs = [e for k in configs if k.startswith("c-") and (e := cpu_stage_efficiency(r, k, dram))]
+    effs += [f"{k}: {line.split('coprocessor: ', 1)[1]}" for k in configs for line in r[k].get("log_lines", [])
+             if "split tuned on passes" in line]  # the coprocessor's split, tuned at start (coproc_tune)
     reads = r.get("dram_reads_gbs", [])
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s" + (
         f" (the fastest of {len(reads)} calls' reads: {' / '.join(map(str, reads))})" if len(reads) > 1 else "") + (

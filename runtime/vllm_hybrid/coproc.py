@@ -359,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
 # --- the GPU process's side (patches.patch_coprocessor calls these) ---------------------------------
 
 SOCKET_ENV, BYTES_ENV, SHARES_ENV = "HYBRID_COPROC_SOCKET", "HYBRID_COPROC_BYTES", "HYBRID_COPROC_SHARES"
+TUNE_ENV = "HYBRID_COPROC_TUNE"
+
+
+def tune_split(forced: bool) -> bool:
+    """HYBRID_COPROC_TUNE: unset, tune a measured split on timed passes (coproc_tune), not one HYBRID_COPROC_SHARES
+    forced; 1: tune that one too (it is where the search starts); 0: never."""
+    value = os.environ.get(TUNE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{TUNE_ENV}={value!r}: 0 or 1 (unset: tune a measured split)")
+    return value == "1" or (value == "" and not forced)
 # GPU share of each split product's rows, by step size: T <= bound -> share; larger steps are not split. Measured at
 # start on CUDA (measured_shares); this where nothing is measured, and HYBRID_COPROC_SHARES forces one for all.
 # (bench/coproc.py on the H200 box: one 16-layer pass is fastest near these.)
@@ -408,6 +418,8 @@ class Product:
     boundary: bool      # prefetched across steps: always n0_fixed rows ahead
     n0_fixed: int
     table: list[tuple[int, float]]  # its shares by step size
+    layer: int = 0      # the streamed layer it belongs to (the offloader copies a layer's products together)
+    buffer: torch.Tensor | None = None  # the offloader's GPU buffer it is copied into (slot layer % prefetch_step)
 
     @property
     def n(self) -> int:
@@ -428,6 +440,7 @@ class Client(RegionClient):
         self.gpu: GpuSide | None = None
         self.measured: dict = {}
         self.packed: str | None = None  # the CPU pod packed the products for this kernel: the GPU unpacks its copies
+        self.tuned = None  # coproc_tune.Tuned: the passes timed at start
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=True)  # the copy stream DMAs from it
@@ -440,21 +453,23 @@ class Client(RegionClient):
         base = self.flat.data_ptr()
         return t.device.type == "cpu" and base <= t.data_ptr() < base + self.wbytes
 
-    def add_product(self, weight_cpu: torch.Tensor, boundary: bool) -> int:
-        self.products.append(Product(weight_cpu, boundary, 0, self.shares))
-        self._fix_boundary(self.products[-1])
+    def add_product(self, weight_cpu: torch.Tensor, boundary: bool, layer: int = 0,
+                    buffer: torch.Tensor | None = None) -> int:
+        self.products.append(Product(weight_cpu, boundary, 0, self.shares, layer, buffer))
+        self.fix_boundary(self.products[-1])
         return len(self.products) - 1
 
     @staticmethod
-    def _fix_boundary(p: Product) -> None:
+    def fix_boundary(p: Product) -> None:
         # prefetched before the next step's size is known: the decode share (one token), or every row if decode
         # steps are not split
         share = share_for(p.table, 1)
         p.n0_fixed = p.n if share is None else rows_of(p.n, share)
 
-    def publish(self) -> int:
+    def publish(self, depth: int = 1) -> int:
         """Tell the CPU pod where each product's weight is; map the io region it returns; split by what both ends
-        measured (the CPU pod's rates come with the reply). Its thread count."""
+        measured (the CPU pod's rates come with the reply), then tune that split on passes timed with the copy
+        `depth` layers ahead (coproc_tune). Its thread count."""
         from . import memops
         dtype = self.products[0].cpu.dtype
         base = self.flat.data_ptr()
@@ -470,7 +485,14 @@ class Client(RegionClient):
         if self.measured:
             self.measured["copy_gbs"] = measure_copy(self.flat, self.used)
         self.split_by_measured()
+        if self.measured and tune_split(self.forced):
+            self.tune(depth)
         return reply["threads"]
+
+    def tune(self, depth: int) -> None:
+        from . import coproc_tune
+        if any(p.table for p in self.products) and all(p.buffer is not None for p in self.products):
+            self.tuned = coproc_tune.tune(self, depth)  # else nothing is split: every step streams
 
     def split_by_measured(self) -> None:
         """Each product's shares from the measured copy and CPU rates of its shape (unless forced)."""
@@ -481,7 +503,7 @@ class Client(RegionClient):
             if (by_rows := rates.get(shape_key(*p.cpu.shape))) is not None:
                 p.table = [(b, s) for b, s in measured_shares(copy, {int(t): v for t, v in by_rows.items()})
                            if b <= self.max_rows]
-                self._fix_boundary(p)
+                self.fix_boundary(p)
 
     def tables(self) -> dict[str, list[tuple[int, float]]]:
         """The split per product shape (for the log)."""

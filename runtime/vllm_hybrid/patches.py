@@ -453,8 +453,12 @@ def patch_coprocessor(prefetch, linear) -> None:
                 if (name.endswith(".weight") and isinstance(getattr(owner, "quant_method", None), linear.UnquantizedLinearMethod)
                         and po._cpu_storage is not None and po._cpu_storage.ndim == 2 and client.holds(po._cpu_storage)):
                     # the first prefetch_step layers are prefetched across steps, before the next step's size is known
-                    owner._coproc_product = po._coproc_product = client.add_product(po._cpu_storage, i < self.prefetch_step)
-        threads = client.publish()
+                    owner._coproc_product = po._coproc_product = client.add_product(
+                        po._cpu_storage, i < self.prefetch_step, i, po._gpu_buffer)
+        threads = client.publish(self.prefetch_step)
+        if client.tuned is not None:  # its passes used the buffers: the first layers' prefetch again, at the tuned rows
+            for mod in self.module_offloaders[:self.prefetch_step]:
+                mod.start_onload_to_static()
         m = client.measured
         if "copy_gbs" in m:
             from . import stage_metrics
@@ -462,6 +466,10 @@ def patch_coprocessor(prefetch, linear) -> None:
             logger.info("coprocessor: measured at start: copies from the region %.1f GB/s, the CPU pod's DRAM read "
                         "%.1f GB/s and products (GB/s at %s rows) %s (%.1f s)", m["copy_gbs"], m["dram_read_gbs"],
                         "/".join(map(str, coproc.MEASURE_ROWS)), m["products_gbs"], m["seconds"])
+            if (tuned := client.tuned) is not None:
+                stage_metrics.record_measured({f"pass_ms_rows_{r}": ms for r, ms in tuned.pass_ms.items()})
+                logger.info("coprocessor: split tuned on passes timed with the copy (%.1f s): %s", tuned.seconds,
+                            tuned.summary())
         logger.info("coprocessor: %d products of %d streamed layers split with the CPU pod (%d threads, %s), GPU share "
                     "of the rows by step size (larger steps stream every row) %s%s; weights %.2f GB in its region",
                     len(client.products), len(self.module_offloaders), threads,

@@ -150,7 +150,7 @@ def long_prompt(model, tokens=200):
     return tok.decode(ids[:tokens], skip_special_tokens=True)
 
 
-def run_coprocessor(model, prompts, dtype, name, graphs, cpu_env=None):
+def run_coprocessor(model, prompts, dtype, name, graphs, cpu_env=None, gpu_env=None):
     """strategy coprocessor, 1 GPU layer + 3 streamed: greedy tokens, seconds to ready, the split it logged, both logs."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "coprocessor",
@@ -158,7 +158,7 @@ def run_coprocessor(model, prompts, dtype, name, graphs, cpu_env=None):
             **local_ports()}
     envs = envs_for(plan["stages"], cpu_env=cpu_env)
     # the tiny model's measured rates would say "do not split" (cache-resident, tiny copies): the split is forced
-    envs[0] = {**envs[0], "HYBRID_COPROC_SHARES": "4:0.5,16:0.55,64:0.6"}
+    envs[0] = {**envs[0], "HYBRID_COPROC_SHARES": "4:0.5,16:0.55,64:0.6", **(gpu_env or {})}
     with LocalPipeline(plan, OUT / name, envs) as pipe:
         ready = pipe.wait_ready()
         got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
@@ -180,14 +180,20 @@ def test_coprocessor_identity(tiny, graphs):
     """strategy coprocessor: the GPU stage runs every layer; the 3 streamed ones live in the CPU stage's
     region, and each of their products is split with the CPU stage's product server: decode steps and
     short prompts split rows (memops; captured in CUDA graphs with `graphs`), the long prompt streams
-    whole layers. Greedy tokens equal single-process vLLM."""
+    whole layers. Greedy tokens equal single-process vLLM. Eager: the split is tuned at start on passes
+    timed in the offloader's own buffers (HYBRID_COPROC_TUNE=1 tunes the forced one), after which the
+    first layers are prefetched again at the tuned rows."""
     prompts = [*PROMPTS, long_prompt(tiny)]
     ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
-    name = f"f32-coproc-{'graphs' if graphs else 'eager'}"
-    got, ready, split, _, cpu_log = run_coprocessor(tiny, prompts, "float32", name, graphs)
+    name = f"f32-coproc-{'graphs' if graphs else 'eager-tuned'}"
+    got, ready, split, gpu_log, cpu_log = run_coprocessor(tiny, prompts, "float32", name, graphs,
+                                                          gpu_env=None if graphs else {"HYBRID_COPROC_TUNE": "1"})
+    tuned = [line.split("coprocessor: ", 1)[1] for line in gpu_log.splitlines() if "split tuned on passes" in line]
     RESULTS[f"float32_coprocessor_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "split": split,
+                                              "tuned": tuned,
                                               "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
     assert "torch's GEMM" in split
+    assert len(tuned) == (0 if graphs else 1), tuned
     assert got == ref
 
 

@@ -1,0 +1,168 @@
+"""strategy coprocessor: the split tuned at start on timed passes, copy and CPU pod running together (GPU side).
+
+coproc.measured_shares splits each product by solo rates (copy / (copy + cpu)), as if each side kept its rate beside
+the other. Both read the same DRAM, and on the H100 boxes copies and products together moved 6.98 GB at 64-85 GB/s,
+below either side's share of the DRAM read; which side loses more there decides the best split. So before CUDA graphs
+are captured, the GPU worker runs the streamed layers' products as a decode step does (a copy stream fetching rows
+[0, n0) a layer or two ahead into two sets of buffers, the CPU pod computing the rest) and times whole passes: per step
+size, the measured shares scaled by the factor whose pass is fastest, or no split where streaming every row is faster
+still. Its pass times are the node's figures (log, metrics) and what a step's products cost at best.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("vllm_hybrid.coproc")
+STEP = 0.08       # the factors tried: 1, 1 +- STEP, 1 +- 2 STEP, ... while the pass gets faster
+LOW, HIGH = 0.5, 1.8  # the factors' range
+REPS = 3          # passes timed per setting, the fastest kept (a pass is 70-130 ms; single ones spread 10%)
+MAX_SHARE = 0.97  # the GPU's share at most (rows_of keeps one block on the CPU anyway)
+
+
+def search(seconds: Callable[[float], float], step: float = STEP, low: float = LOW, high: float = HIGH
+           ) -> tuple[float, dict[float, float]]:
+    """The factor with the fastest pass: from 1, walk the direction that gets faster while it does. Returns it and
+    every factor timed (seconds per pass)."""
+    seen: dict[float, float] = {}
+
+    def at(f: float) -> float:
+        f = round(f, 3)
+        if f not in seen:
+            seen[f] = seconds(f)
+        return seen[f]
+
+    best = 1.0
+    at(best)
+    for direction in (1, -1):
+        f = best + direction * step
+        while low <= f <= high and at(f) < seen[round(best, 3)]:
+            best, f = round(f, 3), f + direction * step
+        if best != 1.0:  # the first direction gained: the other starts from where it would lose
+            break
+    return best, seen
+
+
+@dataclass
+class Tuned:
+    factors: dict[int, float] = field(default_factory=dict)   # step size -> factor on the measured shares
+    pass_ms: dict[int, float] = field(default_factory=dict)   # step size -> the kept split's pass
+    stream_ms: dict[int, float] = field(default_factory=dict)  # step size -> the same pass streaming every row
+    tried: dict[int, dict[float, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        parts = []
+        for rows in sorted(self.stream_ms):
+            kept = (f"x{self.factors[rows]:g}, {self.pass_ms[rows]:.1f} ms" if rows in self.factors
+                    else "not split")
+            parts.append(f"{rows} rows: {kept} (streaming {self.stream_ms[rows]:.1f} ms)")
+        return "; ".join(parts)
+
+
+class Passes:
+    """Whole passes over the client's split products, copied into the offloader's own buffers (product j of streamed
+    layer i into slot i % depth, as it does; the first `depth` layers' prefetch is redone after), a copy stream of its
+    own and the CPU pod."""
+
+    def __init__(self, client, depth: int):
+        torch.cuda.synchronize()  # the offloader's first prefetches into these buffers land before any pass reuses them
+        self.client, self.depth = client, max(1, depth)
+        ps = client.products
+        self.layers: list[list[int]] = []
+        for j, p in enumerate(ps):
+            if not self.layers or ps[self.layers[-1][0]].layer != p.layer:
+                self.layers.append([])
+            self.layers[-1].append(j)
+        self.ready = [torch.cuda.Event() for _ in range(self.depth)]
+        self.copy = torch.cuda.Stream()
+        self.xs: dict[tuple[int, int], torch.Tensor] = {}
+        self.warm: set[int] = set()
+
+    def x(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        if (rows, k) not in self.xs:
+            self.xs[rows, k] = torch.randn(rows, k, device="cuda").mul_(0.5).to(dtype)
+        return self.xs[rows, k]
+
+    def one(self, rows: int, n0s: list[int]) -> None:
+        """A pass as the offloader runs it: layer i waits for its copy, computes, then its slot fetches layer i+depth."""
+        client, cur = self.client, torch.cuda.current_stream()
+
+        def prefetch(i: int) -> None:
+            fork = torch.cuda.Event()
+            cur.record_event(fork)
+            self.copy.wait_event(fork)
+            with torch.cuda.stream(self.copy):
+                for j in self.layers[i]:
+                    p = client.products[j]
+                    p.buffer[:n0s[j]].copy_(p.cpu[:n0s[j]], non_blocking=True)
+            self.ready[i % self.depth].record(self.copy)
+
+        for i in range(min(self.depth, len(self.layers))):
+            prefetch(i)
+        for i, js in enumerate(self.layers):
+            cur.wait_event(self.ready[i % self.depth])
+            for j in js:
+                p = client.products[j]
+                x = self.x(rows, p.cpu.shape[1], p.cpu.dtype)
+                if n0s[j] < p.n:
+                    client.gpu.linear(j, x, client.plain(p.buffer[:n0s[j]]), p.n)
+                else:
+                    torch.nn.functional.linear(x, client.plain(p.buffer))
+            if i + self.depth < len(self.layers):
+                prefetch(i + self.depth)
+
+    def ms(self, rows: int, n0s: list[int], reps: int = REPS) -> float:
+        """The fastest of `reps` timed passes (the first at a step size after an untimed one: cuBLAS picks its kernels
+        for the shapes, the server's threads warm up)."""
+        if rows not in self.warm:
+            self.warm.add(rows)
+            self.one(rows, n0s)
+        best = float("inf")
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.one(rows, n0s)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        return round(best, 2)
+
+
+def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = None) -> Tuned:
+    """Scale each step size's measured shares by the fastest pass's factor (smallest step first; where streaming every
+    row is faster, that size and all larger ones stream). `timer(rows, n0s)`: ms of a pass (default: Passes' on this
+    GPU). Sets the client's tables; returns what was timed."""
+    from .coproc import rows_of, share_for
+    t0 = time.perf_counter()
+    timer = timer or Passes(client, depth).ms
+    out = Tuned()
+    base = [list(p.table) for p in client.products]
+    every_row = [p.n for p in client.products]
+    kept: list[list[tuple[int, float]]] = [[] for _ in client.products]
+
+    def shares(rows: int, factor: float) -> list[float | None]:
+        return [None if (s := share_for(table, rows)) is None else min(MAX_SHARE, s * factor) for table in base]
+
+    def n0s(rows: int, factor: float) -> list[int]:
+        return [p.n if s is None else rows_of(p.n, s) for p, s in zip(client.products, shares(rows, factor))]
+
+    for rows in sorted({b for table in base for b, _ in table}):
+        out.stream_ms[rows] = timer(rows, every_row)
+        factor, tried = search(lambda f: timer(rows, n0s(rows, f)))
+        out.tried[rows] = tried
+        if tried[factor] >= out.stream_ms[rows]:
+            break  # streaming wins here: this size and all larger ones stream every row
+        out.factors[rows], out.pass_ms[rows] = factor, tried[factor]
+        for keep, s in zip(kept, shares(rows, factor)):
+            if s is not None:
+                keep.append((rows, round(s, 3)))
+    for p, table in zip(client.products, kept):
+        p.table = table
+        client.fix_boundary(p)
+    out.seconds = round(time.perf_counter() - t0, 2)
+    return out

@@ -1,0 +1,74 @@
+"""The coprocessor's split tuned on timed passes (coproc_tune): the search and the tables it leaves, against a model of
+a node where copy and CPU slow each other down. The passes themselves run on the GPU (tests/gpu, the bench)."""
+import pytest
+import torch
+from vllm_hybrid import coproc, coproc_tune
+
+
+def test_search_walks_to_the_fastest_factor_either_way():
+    for best, grid in ((1.0, 1.0), (1.24, 1.24), (0.76, 0.76), (1.3, 1.32), (0.3, 0.52)):  # 1 +- k x 0.08, in range
+        got, tried = coproc_tune.search(lambda f: abs(f - best) + 1.0)
+        assert got == grid, (best, tried)
+    got, tried = coproc_tune.search(lambda f: -f)  # always faster upwards: stops at the range's end
+    assert got == max(tried) <= coproc_tune.HIGH and len(tried) < 20
+
+
+def node(products, copy_gbs, cpu_gbs, calls_ms=0.02):
+    """ms of a pass on a node where the copy reads `copy_gbs` beside the CPU and the CPU `cpu_gbs[rows]` beside the
+    copy (lower than either alone: the same DRAM), each split product paying a hand-over; streaming alone 55 GB/s."""
+    def timer(rows, n0s):
+        copy = sum(n0 * p.cpu.shape[1] * 2 for p, n0 in zip(products, n0s))
+        cpu = sum((p.n - n0) * p.cpu.shape[1] * 2 for p, n0 in zip(products, n0s))
+        if not cpu:
+            return copy / 55e9 * 1e3
+        split = sum(n0 < p.n for p, n0 in zip(products, n0s))
+        return max(copy / copy_gbs / 1e6, cpu / cpu_gbs[rows] / 1e6 + split * calls_ms)
+    return timer
+
+
+def test_tuning_moves_the_split_to_where_copy_and_cpu_end_together_and_streams_where_that_wins():
+    client = coproc.Client()
+    for layer in range(4):
+        for n, k in ((6144, 4096), (4096, 14336)):
+            client.add_product(torch.empty(n, k, dtype=torch.bfloat16, device="meta"), boundary=layer == 0, layer=layer)
+    # solo rates: copies 50 GB/s, the CPU 50 at 1-16 rows: an even split; compute-bound at 64 (still worth a split)
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {key: {"1": 50.0, "4": 50.0, "16": 50.0, "64": 12.0}
+                                                          for key in ("6144x4096", "4096x14336")}}
+    client.split_by_measured()
+    assert {s for table in client.tables().values() for _, s in table} == {0.5, 0.806}
+    # together: the copy keeps 45, the CPU drops to 30 at 1 and 4, 20 at 16, 4 at 64
+    tuned = coproc_tune.tune(client, 2, node(client.products, 45.0, {1: 30.0, 4: 30.0, 16: 20.0, 64: 4.0}))
+    # the GPU's share grows toward 45 / (45 + 30) = 0.6 at 1 and 4 rows, and more at 16 (45 / 65 = 0.69)
+    assert 0.56 <= tuned.factors[1] * 0.5 <= 0.64 and tuned.factors[4] == tuned.factors[1]
+    assert 0.65 <= tuned.factors[16] * 0.5 <= 0.73
+    assert tuned.pass_ms[1] < tuned.tried[1][1.0] and all(tuned.pass_ms[r] < tuned.stream_ms[r] for r in (1, 4, 16))
+    # at 64 the CPU adds less than its hand-overs cost: streamed, as the offloader alone would
+    assert 64 not in tuned.factors and 64 in tuned.stream_ms
+    qkv, down = client.products[2], client.products[3]
+    assert [b for b, _ in qkv.table] == [1, 4, 16] and client.n0(2, 64) is None and client.n0(2, 17) is None
+    assert client.n0(2, 1) == coproc.rows_of(qkv.n, tuned.factors[1] * 0.5)
+    assert client.n0(3, 16) == coproc.rows_of(down.n, tuned.factors[16] * 0.5)
+    # the boundary layer's rows follow the tuned one-token share
+    assert client.products[0].n0_fixed == coproc.rows_of(qkv.n, tuned.factors[1] * 0.5)
+    assert "1 rows: x" in tuned.summary() and "64 rows: not split" in tuned.summary()
+
+
+def test_a_node_where_the_split_never_pays_streams_every_step():
+    client = coproc.Client()
+    client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 40.0, "4": 40.0}}}
+    client.split_by_measured()
+    tuned = coproc_tune.tune(client, 1, node(client.products, 20.0, {1: 2.0, 4: 2.0}, calls_ms=1.0))
+    assert tuned.factors == {} and client.tables() == {"4096x4096": []} and client.n0(0, 1) is None
+
+
+def test_tuning_is_on_for_a_measured_split_and_asked_for_a_forced_one(monkeypatch):
+    monkeypatch.delenv(coproc.TUNE_ENV, raising=False)
+    assert coproc.tune_split(forced=False) and not coproc.tune_split(forced=True)
+    monkeypatch.setenv(coproc.TUNE_ENV, "1")
+    assert coproc.tune_split(forced=True)
+    monkeypatch.setenv(coproc.TUNE_ENV, "0")
+    assert not coproc.tune_split(forced=False)
+    monkeypatch.setenv(coproc.TUNE_ENV, "yes")
+    with pytest.raises(ValueError, match="HYBRID_COPROC_TUNE='yes'"):
+        coproc.tune_split(forced=False)
