@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,18 +161,20 @@ def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, f
         try:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
-            out.append((0.0,) * 8)
+            out.append((0.0,) * 10)
             continue
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_"))}
+                if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_", "hybrid_coproc_"))}
         out.append(tuple(vals.get(k, 0.0) for k in ("hybrid_stage_forward_seconds_sum", "hybrid_stage_forward_seconds_count",
                                                     "hybrid_experts_expert_tokens", "hybrid_experts_routed_pairs",
                                                     "hybrid_experts_busy_seconds", "hybrid_experts_steps",
-                                                    "hybrid_experts_between_seconds", "hybrid_experts_betweens")))
+                                                    "hybrid_experts_between_seconds", "hybrid_experts_betweens",
+                                                    "hybrid_coproc_busy_seconds", "hybrid_coproc_products")))
     return out
 
 
-def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
+def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: int = 0) -> dict:
+    """Waves at each concurrency; split_products: a coprocessor's products per split step (its GPU stage's log)."""
     waves = []
     for c in CONCURRENCY:
         wave(url, model, token_prompts(c, PROMPT_TOKENS, VOCAB, seed=1000 * c + 1), 4)  # warm-up: this batch's shapes
@@ -197,6 +200,13 @@ def drive(url: str, model: str, metrics_urls: list[str] = ()) -> dict:
             between, m = map(sum, zip(*[(a[6] - b[6], a[7] - b[7]) for a, b in zip(after, before)]))
             if m:
                 w["experts_between_layers_ms"] = round(1000 * between / m, 3)
+        # strategy coprocessor: the product server's compute per split step, against the step's TPOT: the rest of a
+        # step it waits for the GPU (copies, hand-overs, the GPU's own work)
+        products = [(a[8] - b[8], a[9] - b[9]) for a, b in zip(after, before) if a[9] > b[9]]
+        if products and split_products:
+            busy, n = map(sum, zip(*products))
+            w["coproc_cpu_ms_per_step"] = round(1000 * busy / (n / split_products), 2)
+            w["coproc_split_steps"] = round(n / split_products, 1)
         waves.append(w)
         print(json.dumps(w), flush=True)
     ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in TTFT_TOKENS}
@@ -300,7 +310,9 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
         out = {"ready_s": round(ready, 1), "strategy": strategy, "cpu_tuning": tuning,
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
                             for i in range(len(stages))]}
-        out.update(drive(pipe.url, "m", [pipe.metrics_url(i) for i in range(len(stages))]))
+        split = re.search(r"coprocessor: (\d+) products of", "".join(pipe.log(i) for i in range(len(stages))))
+        out.update(drive(pipe.url, "m", [pipe.metrics_url(i) for i in range(len(stages))],
+                         int(split.group(1)) if split else 0))
         logs = [pipe.log(i) for i in range(len(stages))]
         # where the weights live (balanced) and each stage's KV cache, for the host memory figures
         out["log_lines"] = [line.split("] ", 1)[-1] for text in logs for line in text.splitlines()

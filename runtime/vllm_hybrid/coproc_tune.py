@@ -58,8 +58,8 @@ class Tuned:
     def summary(self) -> str:
         parts = []
         for rows in sorted(self.stream_ms):
-            kept = (f"x{self.factors[rows]:g}, {self.pass_ms[rows]:.1f} ms" if rows in self.factors
-                    else "not split")
+            kept = (f"x{self.factors[rows]:g}, {self.pass_ms[rows]:.1f} ms (x1: {self.tried[rows][1.0]:.1f})"
+                    if rows in self.factors else "not split")
             parts.append(f"{rows} rows: {kept} (streaming {self.stream_ms[rows]:.1f} ms)")
         return "; ".join(parts)
 
