@@ -72,3 +72,25 @@ def test_tuning_is_on_for_a_measured_split_and_asked_for_a_forced_one(monkeypatc
     monkeypatch.setenv(coproc.TUNE_ENV, "yes")
     with pytest.raises(ValueError, match="HYBRID_COPROC_TUNE='yes'"):
         coproc.tune_split(forced=False)
+
+
+def test_a_box_growing_faster_during_the_search_does_not_move_the_split():
+    """Passes 1.5% faster at each timing whatever the split (DRAM still settling): the search walks away from x1, and
+    its pick, timed again right before x1, is no longer faster, so the measured split stands. A real gain survives."""
+    for gain, moved in ((0.0, False), (0.2, True)):
+        client = coproc.Client()
+        client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
+        client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 50.0}}}
+        client.split_by_measured()
+        calls = []
+
+        def timer(rows, n0s, gain=gain):
+            calls.append(rows)
+            gpu = n0s[0] / 4096
+            return 100.0 * 0.985 ** len(calls) - 100 * gain * gpu if gpu < 1 else 200.0
+
+        tuned = coproc_tune.tune(client, 1, timer)
+        pick = min(tuned.tried[1], key=tuned.tried[1].get)
+        assert pick > 1.0 and set(tuned.again[1]) == {pick, 1.0}  # the search itself was fooled both times
+        assert (tuned.factors[1] == pick) is moved and (tuned.factors[1] == 1.0) is not moved, tuned.summary()
+        assert client.n0(0, 1) == coproc.rows_of(4096, 0.5 * tuned.factors[1])
