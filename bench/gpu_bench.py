@@ -173,6 +173,20 @@ def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, f
     return out
 
 
+def coproc_by_rows(metrics_urls: list[str]) -> dict[int, tuple[float, float]]:
+    """A coprocessor's product server so far, by the step's tokens: (busy seconds, products)."""
+    out: dict[int, tuple[float, float]] = {}
+    for url in metrics_urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+        for m in re.finditer(r'^hybrid_coproc_step_(busy_seconds|products)\{.*rows="(\d+)".*\} (\S+)$', text, re.M):
+            busy, n = out.get(int(m[2]), (0.0, 0.0))
+            out[int(m[2])] = (busy + float(m[3]), n) if m[1] == "busy_seconds" else (busy, n + float(m[3]))
+    return out
+
+
 def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: int = 0) -> dict:
     """Waves at each concurrency; split_products: a coprocessor's products per split step (its GPU stage's log)."""
     waves = []
@@ -311,8 +325,11 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
                "resolved": [json.loads(pipe.log(i).split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
                             for i in range(len(stages))]}
         split = re.search(r"coprocessor: (\d+) products of", "".join(pipe.log(i) for i in range(len(stages))))
-        out.update(drive(pipe.url, "m", [pipe.metrics_url(i) for i in range(len(stages))],
-                         int(split.group(1)) if split else 0))
+        urls = [pipe.metrics_url(i) for i in range(len(stages))]
+        if split:  # the server's compute per split step by step size before any wave: mostly the passes timed at start
+            out["coproc_start_cpu_ms_per_step"] = {rows: round(1000 * busy / (n / int(split.group(1))), 2)
+                                                   for rows, (busy, n) in sorted(coproc_by_rows(urls).items()) if n}
+        out.update(drive(pipe.url, "m", urls, int(split.group(1)) if split else 0))
         logs = [pipe.log(i) for i in range(len(stages))]
         # where the weights live (balanced) and each stage's KV cache, for the host memory figures
         out["log_lines"] = [line.split("] ", 1)[-1] for text in logs for line in text.splitlines()

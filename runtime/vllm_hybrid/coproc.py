@@ -33,7 +33,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,6 +116,14 @@ class Served:
     products: int = 0
     busy_s: float = 0.0  # computing (the rest of the time it waits for the GPU)
     metrics: object = None  # the server's StageMetrics (serve_metrics)
+    by_rows: dict[int, list] = field(default_factory=dict)  # step size -> [busy seconds, products]
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.products += 1
+        self.busy_s += seconds
+        acc = self.by_rows.setdefault(rows, [0.0, 0])
+        acc[0] += seconds
+        acc[1] += 1
 
 
 SGL_MIN_ROWS = 5  # sgl's GEMM takes its brgemm path from 5 rows: on one AMX box it read the weights faster at 1-4
@@ -160,8 +168,7 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
         n, k = w.shape
         linear(io.x(j, rows, k), w[n0:], io.y(j, rows, n - n0))
         words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
-        served.products += 1
-        served.busy_s += time.perf_counter() - t0
+        served.add(rows, time.perf_counter() - t0)
     return served.products
 
 
@@ -345,7 +352,28 @@ def serve_metrics(port: int, served: Served) -> None:
           labels, registry=reg).labels(**m.labels).set_function(lambda: served.products)
     Gauge("hybrid_coproc_busy_seconds", "Time this CPU stage spent computing products (else waiting for the GPU)",
           labels, registry=reg).labels(**m.labels).set_function(lambda: served.busy_s)
+    reg.register(ByRows(served, m.labels))
     start_http_server(port, registry=reg)
+
+
+class ByRows:
+    """The server's products and compute time by the step's tokens (a label per step size seen): the GPU stage's
+    passes timed at start, its warm-up and its decode steps, to set the CPU's part of a step against its whole."""
+
+    def __init__(self, served: Served, labels: dict[str, str]):
+        self.served, self.labels = served, labels
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+        names = [*self.labels, "rows"]
+        busy = GaugeMetricFamily("hybrid_coproc_step_busy_seconds", "Time computing products, by the step's tokens",
+                                 labels=names)
+        count = GaugeMetricFamily("hybrid_coproc_step_products", "Products computed, by the step's tokens", labels=names)
+        for rows, (seconds, products) in sorted(list(self.served.by_rows.items())):  # list(): one step under the GIL
+            busy.add_metric([*self.labels.values(), str(rows)], seconds)
+            count.add_metric([*self.labels.values(), str(rows)], products)
+        yield busy
+        yield count
 
 
 def main(argv: list[str] | None = None) -> int:

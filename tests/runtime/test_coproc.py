@@ -113,6 +113,11 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
                 calls += 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert f'hybrid_coproc_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
+        by_rows = {rows: f'hybrid_coproc_step_products{{pipeline="local",replica="0",rows="{rows}",stage="1",'
+                         f'stage_name="cpu"}} {count}.0' for rows, count in ((1, 2 * len(SHAPES)), (8, len(SHAPES)),
+                                                                              (3, len(SHAPES)))}
+        assert all(line in metrics for line in by_rows.values()), metrics
+        assert 'hybrid_coproc_step_busy_seconds{pipeline="local",replica="0",rows="8"' in metrics
         assert 'hybrid_stage_measured{figure="cpu_products_gbs_160x64_rows_1"' in metrics
         assert 'hybrid_stage_measured{figure="dram_read_gbs"' in metrics
         sock.close()  # the GPU stage went: the server stops at its next idle check
