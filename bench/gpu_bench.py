@@ -153,14 +153,20 @@ class Peaks:
                 "stage_peak_rss_gb": [{"anon": gb(a), "shmem": gb(sh)} for a, sh in self.stages]}
 
 
+def scrape(url: str) -> str | None:
+    """A stage's /metrics text; None where it does not answer."""
+    try:
+        return urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return None
+
+
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, float]]:
     """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far, and (expert tokens, routed pairs,
     busy seconds, layer steps, seconds between layers, intervals) of an experts server (strategy experts' cpu stage; 0 elsewhere)."""
     out = []
     for url in metrics_urls:
-        try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
+        if (text := scrape(url)) is None:
             out.append((0.0,) * 10)
             continue
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
@@ -176,11 +182,7 @@ def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, f
 def coproc_by_rows(metrics_urls: list[str]) -> dict[int, tuple[float, float]]:
     """A coprocessor's product server so far, by the step's tokens: (busy seconds, products)."""
     out: dict[int, tuple[float, float]] = {}
-    for url in metrics_urls:
-        try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
-            continue
+    for text in filter(None, map(scrape, metrics_urls)):
         for m in re.finditer(r'^hybrid_coproc_step_(busy_seconds|products)\{.*rows="(\d+)".*\} (\S+)$', text, re.M):
             busy, n = out.get(int(m[2]), (0.0, 0.0))
             out[int(m[2])] = (busy + float(m[3]), n) if m[1] == "busy_seconds" else (busy, n + float(m[3]))

@@ -387,16 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 # --- the GPU process's side (patches.patch_coprocessor calls these) ---------------------------------
 
 SOCKET_ENV, BYTES_ENV, SHARES_ENV = "HYBRID_COPROC_SOCKET", "HYBRID_COPROC_BYTES", "HYBRID_COPROC_SHARES"
-TUNE_ENV = "HYBRID_COPROC_TUNE"
-
-
-def tune_split(forced: bool) -> bool:
-    """HYBRID_COPROC_TUNE: unset, tune a measured split on timed passes (coproc_tune), not one HYBRID_COPROC_SHARES
-    forced; 1: tune that one too (it is where the search starts); 0: never."""
-    value = os.environ.get(TUNE_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{TUNE_ENV}={value!r}: 0 or 1 (unset: tune a measured split)")
-    return value == "1" or (value == "" and not forced)
+TUNE_ENV = "HYBRID_COPROC_TUNE"  # tune_split
 # GPU share of each split product's rows, by step size: T <= bound -> share; larger steps are not split. Measured at
 # start on CUDA (measured_shares); this where nothing is measured, and HYBRID_COPROC_SHARES forces one for all.
 # (bench/coproc.py on the H200 box: one 16-layer pass is fastest near these.)
@@ -411,6 +402,15 @@ def parse_shares(text: str) -> list[tuple[int, float]]:
     if not out or any(not 0 < s < 1 or b < 1 for b, s in out) or out[-1][0] > MAX_ROWS:
         raise ValueError(f"{SHARES_ENV}={text!r}: shares in (0, 1), rows in [1, {MAX_ROWS}]")
     return out
+
+
+def tune_split(forced: bool) -> bool:
+    """HYBRID_COPROC_TUNE: unset, tune a measured split on timed passes (coproc_tune), not one HYBRID_COPROC_SHARES
+    forced; 1: tune that one too (it is where the search starts); 0: never."""
+    value = os.environ.get(TUNE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{TUNE_ENV}={value!r}: 0 or 1 (unset: tune a measured split)")
+    return value == "1" or (value == "" and not forced)
 
 
 def rows_of(n: int, share: float) -> int:

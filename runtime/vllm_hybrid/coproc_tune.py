@@ -10,14 +10,12 @@ streaming every row is faster still. Its pass times are the node's figures (log,
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("vllm_hybrid.coproc")
 STEP = 0.08       # the factors tried: 1, 1 +- STEP, 1 +- 2 STEP, ... while the pass gets faster
 LOW, HIGH = 0.5, 1.8  # the factors' range
 REPS = 3          # passes timed per setting, the fastest kept (a pass is 70-130 ms; single ones spread 10%)
