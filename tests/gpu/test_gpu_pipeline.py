@@ -209,6 +209,21 @@ def test_coprocessor_tuned_split_identity(tiny):
     assert got == ref
 
 
+def test_coprocessor_cpu_only_small_steps_identity(tiny):
+    """GPU share 0 for steps of up to 4 tokens (what the tuning keeps where the CPU pod alone is faster than any split:
+    coproc_tune): nothing is copied for them, the boundary layers prefetch no rows across steps, and the CPU pod
+    computes every row, in CUDA graphs; larger steps split or stream. Greedy tokens equal single-process vLLM."""
+    prompts = [*PROMPTS, long_prompt(tiny)]
+    ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
+    got, ready, split, _, cpu_log = run_coprocessor(tiny, prompts, "float32", "f32-coproc-cpu-only", True,
+                                                    gpu_env={"HYBRID_COPROC_SHARES": "4:0,16:0.55,64:0.6"})
+    RESULTS["float32_coprocessor_cpu_only_small_steps"] = {
+        "identical": got == ref, "ready_s": round(ready, 1), "split": split,
+        "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
+    assert "(4, 0.0)" in split
+    assert got == ref
+
+
 def near_ties(ref, got) -> list[dict]:
     """Per prompt: the first token where got parts from the reference, and the reference's top-2 gap there."""
     report = []

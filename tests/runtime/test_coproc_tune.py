@@ -13,15 +13,18 @@ def test_search_walks_to_the_fastest_factor_either_way():
     assert got == max(tried) <= coproc_tune.HIGH and len(tried) < 20
 
 
-def node(products, copy_gbs, cpu_gbs, calls_ms=0.02):
+def node(products, copy_gbs, cpu_gbs, calls_ms=0.02, cpu_alone_gbs=None):
     """ms of a pass on a node where the copy reads `copy_gbs` beside the CPU and the CPU `cpu_gbs[rows]` beside the
-    copy (lower than either alone: the same DRAM), each split product paying a hand-over; streaming alone 55 GB/s."""
+    copy (lower than either alone: the same DRAM), each split product paying a hand-over; streaming alone 55 GB/s,
+    the CPU alone (nothing copied) `cpu_alone_gbs[rows]` (default: as beside the copy)."""
     def timer(rows, n0s):
         copy = sum(n0 * p.cpu.shape[1] * 2 for p, n0 in zip(products, n0s))
         cpu = sum((p.n - n0) * p.cpu.shape[1] * 2 for p, n0 in zip(products, n0s))
         if not cpu:
             return copy / 55e9 * 1e3
         split = sum(n0 < p.n for p, n0 in zip(products, n0s))
+        if not copy:
+            return cpu / (cpu_alone_gbs or cpu_gbs)[rows] / 1e6 + split * calls_ms
         return max(copy / copy_gbs / 1e6, cpu / cpu_gbs[rows] / 1e6 + split * calls_ms)
     return timer
 
@@ -94,3 +97,41 @@ def test_a_box_growing_faster_during_the_search_does_not_move_the_split():
         assert pick > 1.0 and set(tuned.again[1]) == {pick, 1.0}  # the search itself was fooled both times
         assert (tuned.factors[1] == pick) is moved and (tuned.factors[1] == 1.0) is not moved, tuned.summary()
         assert client.n0(0, 1) == coproc.rows_of(4096, 0.5 * tuned.factors[1])
+
+
+def test_a_cpu_fast_alone_but_starved_beside_the_copy_takes_every_row_of_small_steps():
+    """The CPU reads 100 GB/s alone but 30 beside a copy taking 45 (the copy engine wins the DRAM): at 1 and 4 rows no
+    copy at all is faster than any split, so those steps give the CPU every row (share 0: nothing prefetched, the
+    boundary layers' rows too); at 16 rows the CPU is compute-bound (20 GB/s alone), a split wins and is kept."""
+    client = coproc.Client()
+    for layer in range(4):
+        for n, k in ((6144, 4096), (4096, 14336)):
+            client.add_product(torch.empty(n, k, dtype=torch.bfloat16, device="meta"), boundary=layer == 0, layer=layer)
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {key: {"1": 100.0, "4": 100.0, "16": 20.0}
+                                                          for key in ("6144x4096", "4096x14336")}}
+    client.split_by_measured()
+    tuned = coproc_tune.tune(client, 2, node(client.products, 45.0, {1: 30.0, 4: 30.0, 16: 15.0},
+                                             cpu_alone_gbs={1: 100.0, 4: 100.0, 16: 20.0}))
+    assert tuned.cpu_only == {1, 4} and 16 not in tuned.cpu_only_ms  # at 16 the CPU alone is far too slow to time
+    assert tuned.pass_ms[1] < 0.8 * min(tuned.tried[1].values())
+    assert [client.n0(j, 1) for j in range(8)] == [0] * 8 and client.products[0].n0_fixed == 0
+    assert client.n0(2, 4) == 0 and 0 < client.n0(2, 16) < client.products[2].n
+    assert "1 rows: CPU only" in tuned.summary() and "16 rows: x" in tuned.summary()
+
+
+def test_the_cpu_alone_is_timed_only_where_its_solo_rates_could_win():
+    client = coproc.Client()
+    client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 40.0}}}
+    client.split_by_measured()
+    asked = []
+
+    def timer(rows, n0s):
+        asked.append(n0s[0])
+        return node(client.products, 45.0, {1: 35.0}, cpu_alone_gbs={1: 40.0})(rows, n0s)
+
+    tuned = coproc_tune.tune(client, 1, timer)
+    assert 0 not in asked and not tuned.cpu_only_ms  # alone 40 against 45 + 35 together: not worth a pass
+    with pytest.raises(ValueError, match=r"shares in \[0, 1\)"):
+        coproc.parse_shares("1:1.0")
+    assert coproc.parse_shares("1:0,4:0.5") == [(1, 0.0), (4, 0.5)] and coproc.rows_of(4096, 0.0) == 0
