@@ -452,6 +452,7 @@ class Product:
     table: list[tuple[int, float]]  # its shares by step size
     layer: int = 0      # the streamed layer it belongs to (the offloader copies a layer's products together)
     buffer: torch.Tensor | None = None  # the offloader's GPU buffer it is copied into (slot layer % prefetch_step)
+    plain_rows: int = 0  # rows of the buffer unpacked ahead (unpack_ahead) for its next use; 0: unpack at use
 
     @property
     def n(self) -> int:
@@ -473,6 +474,7 @@ class Client(RegionClient):
         self.measured: dict = {}
         self.packed: str | None = None  # the CPU pod packed the products for this kernel: the GPU unpacks its copies
         self.tuned = None  # coproc_tune.Tuned: the passes timed at start
+        self.unpack_stream: torch.cuda.Stream | None = None  # unpack_ahead's
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=True)  # the copy stream DMAs from it
@@ -559,14 +561,44 @@ class Client(RegionClient):
         self.rows = rows
         p = self.products[j]
         if (n0 := self.n0(j, rows)) is not None and n0 < p.n:
-            return self.gpu.linear(j, x, self.plain(weight[:n0]), p.n)
+            return self.gpu.linear(j, x, self.plain(weight[:n0], j), p.n)
         if p.boundary:  # its prefetch held n0_fixed rows: the rest now, on this stream
             weight[p.n0_fixed:].copy_(p.cpu[p.n0_fixed:], non_blocking=True)
-        return torch.nn.functional.linear(x, self.plain(weight))
+        return torch.nn.functional.linear(x, self.plain(weight, j))
 
-    def plain(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows of a weight as copied, in the plain layout (whole blocks of a packed one: packed.py)."""
-        return packed.unpack(rows, self.packed) if self.packed and rows.shape[0] else rows
+    def plain(self, rows: torch.Tensor, j: int | None = None) -> torch.Tensor:
+        """Rows of a weight as copied, in the plain layout (whole blocks of a packed one: packed.py); those of
+        product j unpacked ahead for this use (unpack_ahead) as they are."""
+        if not self.packed or not rows.shape[0]:
+            return rows
+        if j is not None and (ahead := self.products[j].plain_rows):
+            self.products[j].plain_rows = 0
+            if ahead != rows.shape[0]:  # never: prefetch and use take the same step's rows
+                raise RuntimeError(f"coprocessor: product {j}: {ahead} rows unpacked ahead, {rows.shape[0]} used")
+            return rows
+        return packed.unpack(rows, self.packed)
+
+    def unpacks_ahead(self, j: int, rows: int) -> bool:
+        """Whether the offloader's copy of product j's first `rows` rows, this step, is unpacked on unpack_ahead's
+        stream: a packed region's, except the boundary layers' (prefetched for a step of a size not known yet)."""
+        return bool(self.packed) and rows > 0 and not self.products[j].boundary
+
+    def unpack_ahead(self, copies: list[tuple[int, torch.Tensor]], copy_stream: torch.cuda.Stream
+                     ) -> torch.cuda.Stream:
+        """Unpack rows of a packed region the copy stream just fetched (product j, its buffer rows) in place, on a
+        stream of their own once the copy lands: the compute stream only waits for them (at 64 tokens a step the
+        GPU unpacking every streamed weight itself cost 3-4% against the offloader), and the copy stream goes on
+        to the next layer. Returns the stream whose work the layer's copy-done event must follow."""
+        if self.unpack_stream is None:
+            self.unpack_stream = torch.cuda.Stream()
+        copied = torch.cuda.Event()
+        copied.record(copy_stream)
+        self.unpack_stream.wait_event(copied)
+        with torch.cuda.stream(self.unpack_stream):
+            for j, rows in copies:
+                packed.unpack_in_place(rows, self.packed)
+                self.products[j].plain_rows = rows.shape[0]
+        return self.unpack_stream
 
 
 CLIENT: Client | None = None

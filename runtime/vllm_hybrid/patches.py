@@ -479,20 +479,24 @@ def patch_coprocessor(prefetch, linear) -> None:
                     client.used / 1e9)
 
     def start_onload_to_static(self):
-        # upstream's body, with the rows of each copy chosen per parameter
+        # upstream's body, with the rows of each copy chosen per parameter; a packed region's rows unpacked after the
+        # copy on a stream of their own (Client.unpack_ahead), the copy-done event following them
         self._prefetch_in_capture = torch.cuda.is_current_stream_capturing()
         fork_event = torch.cuda.Event()
         torch.cuda.current_stream().record_event(fork_event)
         self.copy_stream.wait_event(fork_event)
+        client, ahead = coproc.CLIENT, []
         with torch.cuda.stream(self.copy_stream):
             for po in self._param_offloaders.values():
                 src, dst = po._cpu_storage, po._gpu_buffer
                 j = getattr(po, "_coproc_product", None)
-                if j is not None and coproc.CLIENT is not None:
-                    rows = coproc.CLIENT.prefetch_rows(j)
+                if j is not None and client is not None:
+                    rows = client.prefetch_rows(j)
                     src, dst = src[:rows], dst[:rows]
+                    if client.unpacks_ahead(j, rows):
+                        ahead.append((j, dst))
                 dst.copy_(src, non_blocking=True)
-        self._copy_done_event.record(self.copy_stream)
+        self._copy_done_event.record(client.unpack_ahead(ahead, self.copy_stream) if ahead else self.copy_stream)
         self._event_valid_for_eager = not torch.cuda.is_current_stream_capturing()
 
     @functools.wraps(original_apply)

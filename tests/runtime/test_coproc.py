@@ -130,10 +130,11 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
 
 def test_shares_pick_the_gpu_rows_by_step_size():
     assert coproc.parse_shares("16:0.55,4:0.5") == [(4, 0.5), (16, 0.55)]
-    for bad in ("4:1.5", "x", "0:0.5", f"{coproc.MAX_ROWS + 1}:0.5"):
+    for bad in ("4:1.5", "4:1", "4:-0.1", "x", "0:0.5", f"{coproc.MAX_ROWS + 1}:0.5"):
         with pytest.raises(ValueError, match=coproc.SHARES_ENV):
             coproc.parse_shares(bad)
     assert coproc.rows_of(4096, 0.5) == 2048 and coproc.rows_of(64, 0.01) == 32 and coproc.rows_of(64, 0.99) == 32
+    assert coproc.parse_shares("4:0") == [(4, 0.0)] and coproc.rows_of(4096, 0.0) == 0  # the CPU on every row
 
 
 def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
@@ -150,6 +151,27 @@ def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
     # prefetched before the next step's size is known: the same rows whatever it is
     assert {client.prefetch_rows(edge), client.n0(edge, 1), client.n0(edge, 64)} == {512}  # the decode share's
     assert client.n0(inner, 65) is None and client.n0(edge, 65) is None  # not split
+
+
+def test_a_packed_regions_rows_unpacked_ahead_are_used_as_they_are_once():
+    """Rows the offloader's copy unpacked on its own stream (Client.unpack_ahead: not the boundary layers', not for
+    a plain region) are taken as they are by the next use, once; rows not unpacked ahead are unpacked at use."""
+    client = coproc.Client("4:0.5")
+    inner = client.add_product(torch.empty(64, 32, dtype=torch.bfloat16), boundary=False)
+    edge = client.add_product(torch.empty(64, 32, dtype=torch.bfloat16), boundary=True)
+    assert not client.unpacks_ahead(inner, 64)  # a plain region: nothing to unpack
+    client.packed = "sgl"
+    assert client.unpacks_ahead(inner, 32) and not client.unpacks_ahead(edge, 32) and not client.unpacks_ahead(inner, 0)
+    plain = torch.randn(64, 32).to(torch.bfloat16)
+    rows = packed.pack(plain, "sgl")
+    assert torch.equal(client.plain(rows, inner), plain)  # not unpacked ahead: unpacked here
+    client.products[inner].plain_rows = 64  # as unpack_ahead leaves it
+    assert client.plain(plain, inner) is plain and client.products[inner].plain_rows == 0
+    assert torch.equal(client.plain(rows, inner), plain)  # the next copy's rows: packed again
+    client.products[inner].plain_rows = 32
+    with pytest.raises(RuntimeError, match="32 rows unpacked ahead, 64 used"):
+        client.plain(plain, inner)
+    assert client.plain(rows[:0], inner).shape == (0, 32)  # the CPU computes every row: nothing to unpack
 
 
 def test_the_split_follows_what_both_ends_measured_and_never_splits_where_streaming_wins():
