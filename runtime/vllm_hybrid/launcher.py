@@ -173,8 +173,9 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         "HYBRID_PROGRESS_FILE": rec.progress_file,
         "HYBRID_STALL_TIMEOUT": f"{rec.stall_timeout:g},{rec.compile_grace:g}",
     })
-    # one batch in flight: micro-batches would make a CPU stage read its weights once per micro-batch
-    env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
+    if rec.stages > 1:  # one batch in flight: micro-batches would make a CPU stage read its weights once per
+        # micro-batch. One stage keeps vLLM's two (async scheduling: the next step is scheduled while this one runs)
+        env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
     # local runs put several stages on one host: they pass each stage its own metrics port
     env.setdefault("HYBRID_METRICS_PORT", str(plan.metrics_port))
     if ident.host_ip:
