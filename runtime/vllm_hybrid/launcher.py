@@ -135,11 +135,11 @@ def vllm_command(plan: Plan, rec: StageRecord, ident: Identity, python: str = sy
             "--load-format", plan.load_format,
             "--tensor-parallel-size", str(rec.tp),
             "--pipeline-parallel-size", str(rec.stages),
-            "--distributed-executor-backend", "mp",
-            # sampled tokens would travel over the pipeline's device group under async scheduling
-            "--no-async-scheduling"]
+            "--distributed-executor-backend", "mp"]
     if rec.stages > 1:
-        argv += ["--nnodes", str(rec.stages), "--node-rank", str(rec.rank),
+        # no async scheduling: sampled tokens would travel over the pipeline's device group (one stage keeps it: the
+        # next step is scheduled while this one runs)
+        argv += ["--no-async-scheduling", "--nnodes", str(rec.stages), "--node-rank", str(rec.rank),
                  "--master-addr", ident.master_addr, "--master-port", str(plan.master_port)]
     if plan.revision:
         argv += ["--revision", plan.revision]
@@ -173,8 +173,7 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         "HYBRID_PROGRESS_FILE": rec.progress_file,
         "HYBRID_STALL_TIMEOUT": f"{rec.stall_timeout:g},{rec.compile_grace:g}",
     })
-    if rec.stages > 1:  # one batch in flight: micro-batches would make a CPU stage read its weights once per
-        # micro-batch. One stage keeps vLLM's two (async scheduling: the next step is scheduled while this one runs)
+    if rec.stages > 1:  # one batch in flight: micro-batches would make a CPU stage read its weights once each
         env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
     # local runs put several stages on one host: they pass each stage its own metrics port
     env.setdefault("HYBRID_METRICS_PORT", str(plan.metrics_port))

@@ -226,8 +226,8 @@ def test_coprocessor_gpu_stage_streams_from_the_cpu_stages_server():
     assert child["HYBRID_COPROC_SOCKET"] == "/shm/hybrid-x-r3-s1.coproc"
     assert int(child["HYBRID_COPROC_BYTES"]) >= 16 * split.shape.layer_bytes
     assert child["HYBRID_EXPECT_OFFLOADER"] == "PrefetchOffloader"
-    # one stage: vLLM's async scheduling keeps its second batch in flight (the next step scheduled during this one)
-    assert "HYBRID_BATCHES_IN_FLIGHT" not in child
+    # one stage: vLLM's async scheduling, its second batch in flight (the next step scheduled during this one)
+    assert "HYBRID_BATCHES_IN_FLIGHT" not in child and "--no-async-scheduling" not in argv
 
 
 def test_coprocessor_refuses_what_it_cannot_run():
