@@ -167,7 +167,7 @@ def main(path="bench/results/gpu_bench.json"):
              if "split tuned on passes" in line]  # the coprocessor's split, tuned at start (coproc_tune)
     reads = r.get("dram_reads_gbs", [])
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s" + (
-        f" (the fastest of {len(reads)} calls' reads: {' / '.join(map(str, reads))})" if len(reads) > 1 else "") + (
+        f" (the fastest of {len(reads)} reads in the lease: {' / '.join(map(str, reads))})" if len(reads) > 1 else "") + (
         f"; bound = 6.98 GB / DRAM + the all-GPU step ({'a-all-gpu' if 'a-all-gpu' in configs else f'{GPU_STEP_MS} ms'})"
         if dram else "") + "\n\n" + "".join(f"- {e}\n" for e in effs)
     path.with_suffix(".md").write_text(md)
