@@ -173,6 +173,18 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
         except KeyError:
             return float("inf")
 
+    def cpu_only(rows: int, factor: float, best_ms: float) -> float | None:
+        """ms of a pass with the CPU on every split row, where its solo rates say it could beat the split and it does
+        (timed again, then the split: the later timing has any drift on its side); None otherwise."""
+        if cpu_alone_ms(rows) >= best_ms * CPU_ONLY_SLACK:
+            return None
+        none = n0s(rows, 0.0)
+        first = out.cpu_only_ms[rows] = timer(rows, none)
+        if first >= best_ms * (1 - MIN_GAIN):
+            return None
+        again, split = timer(rows, none), timer(rows, n0s(rows, factor))
+        return min(first, again) if again < split * (1 - MIN_GAIN) else None
+
     for rows in sorted({b for table in base for b, _ in table}):
         out.stream_ms[rows] = timer(rows, every_row)
         factor, tried = search(lambda f: timer(rows, n0s(rows, f)))
@@ -186,15 +198,9 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
                 factor = 1.0
         best_ms = min(tried[factor], out.again.get(rows, {}).get(factor, tried[factor]))
         scale = factor
-        if cpu_alone_ms(rows) < best_ms * CPU_ONLY_SLACK:
-            none = n0s(rows, 0.0)
-            out.cpu_only_ms[rows] = timer(rows, none)
-            if out.cpu_only_ms[rows] < best_ms * (1 - MIN_GAIN):
-                # timed again, then the split it would replace (the later timing has any drift on its side)
-                cpu_ms, split_ms = timer(rows, none), timer(rows, n0s(rows, factor))
-                if cpu_ms < split_ms * (1 - MIN_GAIN):
-                    out.cpu_only.add(rows)
-                    scale, best_ms = 0.0, min(out.cpu_only_ms[rows], cpu_ms)
+        if (alone := cpu_only(rows, factor, best_ms)) is not None:
+            out.cpu_only.add(rows)
+            scale, best_ms = 0.0, alone
         if best_ms >= out.stream_ms[rows]:
             break  # streaming wins here: this size and all larger ones stream every row
         out.factors[rows], out.pass_ms[rows] = factor, best_ms
