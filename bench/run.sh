@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make bench` on the GPU machine (after the vLLM bundle is in /tmp/pack, see tests/gpu/README.md):
 #   bash bench/run.sh [CONFIG ...]   CONFIG: a-all-gpu b-offload c-cpu-first d-balanced (the default),
-#   b-offload-uva, b-prefetch-plain, e-coproc, e-coproc-huge (strategy coprocessor, 4 KiB / 2 MiB pages), e-coproc-untuned (its split not tuned on timed passes), e-coproc-sgl (its server on the packed sgl GEMM), e-coproc-passive (its server's threads asleep between calls), e-auto (the stages measure the node at start and resolve auto on it),
+#   b-offload-uva, b-prefetch-plain, e-coproc, e-coproc-huge (strategy coprocessor, 4 KiB / 2 MiB pages), e-coproc-untuned (its split not tuned on timed passes), e-coproc-torch (its server on torch's GEMM, not the packed sgl one), e-coproc-passive (its server's threads asleep between calls), e-auto (the stages measure the node at start and resolve auto on it),
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
 #   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-passive
