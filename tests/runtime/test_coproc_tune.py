@@ -132,3 +132,26 @@ def test_the_cpu_alone_is_timed_only_where_its_solo_rates_could_win():
 
     tuned = coproc_tune.tune(client, 1, timer)
     assert 0 not in asked and not tuned.cpu_only_ms  # alone 40 against 45 + 35 together: not worth a pass
+
+
+def test_a_cpu_only_pass_that_was_fast_once_does_not_replace_the_split():
+    """The CPU-only pass timed faster once (a box still settling), then no faster than the split timed after it: the
+    split stays; timed faster again, it goes."""
+    for later_ms, kept in ((95.0, False), (80.0, True)):
+        client = coproc.Client()
+        client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
+        client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 50.0}}}
+        client.split_by_measured()
+        cpu_only_passes = []
+
+        def timer(rows, n0s, later_ms=later_ms):
+            if n0s[0] == 4096:
+                return 200.0  # streaming
+            if n0s[0] == 0:
+                cpu_only_passes.append(1)
+                return 80.0 if len(cpu_only_passes) == 1 else later_ms
+            return 90.0 + abs(n0s[0] / 4096 - 0.5)  # the split, fastest as measured
+
+        tuned = coproc_tune.tune(client, 1, timer)
+        assert len(cpu_only_passes) == 2 and (tuned.cpu_only == {1}) is kept, tuned.summary()
+        assert (client.n0(0, 1) == 0) is kept
