@@ -3,7 +3,7 @@ threads (a max over 2 GB of bytes, and torch's bf16 GEMM at one row on 8B-shaped
 page-locked memory, each alone and each CPU read beside the copy. Why it matters: the coprocessor splits each product
 between the two, and the split pays only if together they read faster than the CPU alone (coproc_tune).
 
-    taskset -c 2-15 python bench/dram_contention.py OUT.json   # THREADS (default: the affinity's cores)
+    PYTHONPATH=runtime taskset -c 2-15 python bench/dram_contention.py OUT.json   # THREADS (default: the affinity's cores)
 """
 from __future__ import annotations
 
@@ -11,21 +11,18 @@ import json
 import os
 import sys
 import threading
-import time
 
 import torch
+from vllm_hybrid.cpu_server import window_gbs
 
 GB = 1.5  # of weights per shape: more than any cache
 
 
 def gbs(step, nbytes: int, seconds: float) -> float:
-    """GB/s of step(0), step(1), ... (each reads nbytes) over a window of `seconds`."""
+    """GB/s of step(0), step(1), ... (each reads nbytes) over a window of `seconds`, after one untimed call: the
+    servers' own timing (cpu_server.window_gbs)."""
     step(0)
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        step(calls)
-        calls += 1
-    return round(calls * nbytes / (time.perf_counter() - t0) / 1e9, 1)
+    return window_gbs(lambda i: step(i) or nbytes, seconds)
 
 
 def main(path: str) -> dict:

@@ -63,6 +63,12 @@ def dram_read_gbs(threads: int = 15) -> float:
     return round(measured(torch), 1)
 
 
+def read_dram(results: dict) -> None:
+    """One more DRAM read into the lease's list; the bound takes the fastest."""
+    results["dram_reads_gbs"].append(dram_read_gbs())
+    results["dram_read_gbs"] = max(results["dram_reads_gbs"])
+
+
 def meminfo() -> dict[str, int]:
     fields = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
     return {k: v * 1024 if k != "HugePages_Free" else v for k, v in fields.items()}
@@ -479,9 +485,9 @@ def main(names):
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     # every call measures again and the bound takes the fastest read: one H100 box read 96.1 GB/s at one call
     # and 117.8 at a call ten minutes later, and a bound holds only if nothing beats it
-    earlier = results.get("dram_reads_gbs") or ([results["dram_read_gbs"]] if "dram_read_gbs" in results else [])
-    results["dram_reads_gbs"] = [*earlier, dram_read_gbs()]
-    results["dram_read_gbs"] = max(results["dram_reads_gbs"])
+    results["dram_reads_gbs"] = results.get("dram_reads_gbs") or (
+        [results["dram_read_gbs"]] if "dram_read_gbs" in results else [])
+    read_dram(results)
     if any(n.startswith("p-") for n in names):
         results["planned"] = {"model": MODEL, **planned_splits()}
     for name in names:
@@ -496,8 +502,7 @@ def main(names):
         print(name, json.dumps(results[name])[:2000], flush=True)
     # and once more after the runs: a box read 59-84 GB/s right after the bundle's install, 100-107 minutes later (a
     # bound from the first read alone put one run at 0.90x of it)
-    results["dram_reads_gbs"].append(dram_read_gbs())
-    results["dram_read_gbs"] = max(results["dram_reads_gbs"])
+    read_dram(results)
     results_path.write_text(json.dumps(results, indent=1))
 
 

@@ -29,15 +29,23 @@ def node(products, copy_gbs, cpu_gbs, calls_ms=0.02, cpu_alone_gbs=None):
     return timer
 
 
-def test_tuning_moves_the_split_to_where_copy_and_cpu_end_together_and_streams_where_that_wins():
+def split_client(rates, layers=1, shapes=((4096, 4096),)):
+    """A client of `layers` streamed layers of `shapes` (layer 0 a boundary layer where there are several), split by
+    measured rates: copies 50 GB/s, the CPU `rates` (step size -> GB/s) on every shape."""
     client = coproc.Client()
-    for layer in range(4):
-        for n, k in ((6144, 4096), (4096, 14336)):
-            client.add_product(torch.empty(n, k, dtype=torch.bfloat16, device="meta"), boundary=layer == 0, layer=layer)
-    # solo rates: copies 50 GB/s, the CPU 50 at 1-16 rows: an even split; compute-bound at 64 (still worth a split)
-    client.measured = {"copy_gbs": 50.0, "products_gbs": {key: {"1": 50.0, "4": 50.0, "16": 50.0, "64": 12.0}
-                                                          for key in ("6144x4096", "4096x14336")}}
+    for layer in range(layers):
+        for n, k in shapes:
+            client.add_product(torch.empty(n, k, dtype=torch.bfloat16, device="meta"), boundary=layers > 1 and layer == 0,
+                               layer=layer)
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {coproc.shape_key(n, k): {str(r): v for r, v in rates.items()}
+                                                          for n, k in shapes}}
     client.split_by_measured()
+    return client
+
+
+def test_tuning_moves_the_split_to_where_copy_and_cpu_end_together_and_streams_where_that_wins():
+    # solo rates: copies 50 GB/s, the CPU 50 at 1-16 rows: an even split; compute-bound at 64 (still worth a split)
+    client = split_client({1: 50.0, 4: 50.0, 16: 50.0, 64: 12.0}, layers=4, shapes=((6144, 4096), (4096, 14336)))
     assert {s for table in client.tables().values() for _, s in table} == {0.5, 0.806}
     # together: the copy keeps 45, the CPU drops to 30 at 1 and 4, 20 at 16, 4 at 64
     tuned = coproc_tune.tune(client, 2, node(client.products, 45.0, {1: 30.0, 4: 30.0, 16: 20.0, 64: 4.0}))
@@ -57,10 +65,7 @@ def test_tuning_moves_the_split_to_where_copy_and_cpu_end_together_and_streams_w
 
 
 def test_a_node_where_the_split_never_pays_streams_every_step():
-    client = coproc.Client()
-    client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
-    client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 40.0, "4": 40.0}}}
-    client.split_by_measured()
+    client = split_client({1: 40.0, 4: 40.0})
     tuned = coproc_tune.tune(client, 1, node(client.products, 20.0, {1: 2.0, 4: 2.0}, calls_ms=1.0))
     assert tuned.factors == {} and client.tables() == {"4096x4096": []} and client.n0(0, 1) is None
 
@@ -81,10 +86,7 @@ def test_a_box_growing_faster_during_the_search_does_not_move_the_split():
     """Passes 1.5% faster at each timing whatever the split (DRAM still settling): the search walks away from x1, and
     its pick, timed again right before x1, is no longer faster, so the measured split stands. A real gain survives."""
     for gain, moved in ((0.0, False), (0.2, True)):
-        client = coproc.Client()
-        client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
-        client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 50.0}}}
-        client.split_by_measured()
+        client = split_client({1: 50.0})
         calls = []
 
         def timer(rows, n0s, gain=gain):
@@ -103,13 +105,7 @@ def test_a_cpu_fast_alone_but_starved_beside_the_copy_takes_every_row_of_small_s
     """The CPU reads 100 GB/s alone but 30 beside a copy taking 45 (the copy engine wins the DRAM): at 1 and 4 rows no
     copy at all is faster than any split, so those steps give the CPU every row (share 0: nothing prefetched, the
     boundary layers' rows too); at 16 rows the CPU is compute-bound (20 GB/s alone), a split wins and is kept."""
-    client = coproc.Client()
-    for layer in range(4):
-        for n, k in ((6144, 4096), (4096, 14336)):
-            client.add_product(torch.empty(n, k, dtype=torch.bfloat16, device="meta"), boundary=layer == 0, layer=layer)
-    client.measured = {"copy_gbs": 50.0, "products_gbs": {key: {"1": 100.0, "4": 100.0, "16": 20.0}
-                                                          for key in ("6144x4096", "4096x14336")}}
-    client.split_by_measured()
+    client = split_client({1: 100.0, 4: 100.0, 16: 20.0}, layers=4, shapes=((6144, 4096), (4096, 14336)))
     tuned = coproc_tune.tune(client, 2, node(client.products, 45.0, {1: 30.0, 4: 30.0, 16: 15.0},
                                              cpu_alone_gbs={1: 100.0, 4: 100.0, 16: 20.0}))
     assert tuned.cpu_only == {1, 4} and 16 not in tuned.cpu_only_ms  # at 16 the CPU alone is far too slow to time
@@ -120,10 +116,7 @@ def test_a_cpu_fast_alone_but_starved_beside_the_copy_takes_every_row_of_small_s
 
 
 def test_the_cpu_alone_is_timed_only_where_its_solo_rates_could_win():
-    client = coproc.Client()
-    client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
-    client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 40.0}}}
-    client.split_by_measured()
+    client = split_client({1: 40.0})
     asked = []
 
     def timer(rows, n0s):
@@ -138,10 +131,7 @@ def test_a_cpu_only_pass_that_was_fast_once_does_not_replace_the_split():
     """The CPU-only pass timed faster once (a box still settling), then no faster than the split timed after it: the
     split stays; timed faster again, it goes."""
     for later_ms, kept in ((95.0, False), (80.0, True)):
-        client = coproc.Client()
-        client.add_product(torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"), boundary=False, layer=0)
-        client.measured = {"copy_gbs": 50.0, "products_gbs": {"4096x4096": {"1": 50.0}}}
-        client.split_by_measured()
+        client = split_client({1: 50.0})
         cpu_only_passes = []
 
         def timer(rows, n0s, later_ms=later_ms):
