@@ -22,7 +22,7 @@ def gbs(step, nbytes: int, seconds: float) -> float:
     """GB/s of step(0), step(1), ... (each reads nbytes) over a window of `seconds`, after one untimed call: the
     servers' own timing (cpu_server.window_gbs)."""
     step(0)
-    return window_gbs(lambda i: step(i) or nbytes, seconds)
+    return window_gbs(lambda i: (step(i), nbytes)[1], seconds)  # steps return tensors: the bytes are nbytes
 
 
 def main(path: str) -> dict:

@@ -181,9 +181,8 @@ class Experts(Strategy):
         remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
         return StageExtras(
-            # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured.
-            # No async scheduling yet (a single stage's default since 2026-11-27): its GPU tests ran without it
-            flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS), "--no-async-scheduling"),
+            # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
+            flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS)),
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
                  (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))),
