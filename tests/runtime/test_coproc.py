@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +207,19 @@ def test_the_cpu_pod_measures_its_products_and_dram_within_its_time_windows():
     assert time.monotonic() - t0 < 5.0  # four windows of 0.02 s (and a loaded machine's stalls), not a fixed count
     assert set(rates) == {"256x64", "64x256"} and all(set(by) == {1, 4} and min(by.values()) > 0 for by in rates.values())
     assert coproc.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
+
+
+def test_the_contention_probe_counts_the_bytes_of_steps_that_return_tensors():
+    """bench/dram_contention.py's timer: its reads return tensors (a max, a GEMM's output), its window counts bytes."""
+    import importlib.util
+    path = Path(__file__).parents[2] / "bench" / "dram_contention.py"
+    spec = importlib.util.spec_from_file_location("dram_contention", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    w, x = torch.ones(512, 1024, dtype=torch.bfloat16), torch.ones(1, 1024, dtype=torch.bfloat16)
+    gbs = probe.gbs(lambda i: (time.sleep(0.001), x @ w.t())[1], 1 << 20, 0.05)
+    ms_per_call = (1 << 20) / (gbs * 1e9) * 1e3
+    assert 1.0 <= ms_per_call < 20  # 1 MiB counted per call of 1 ms and more, whatever the output tensor holds
 
 
 def mapped_kib(address: int) -> int:
