@@ -62,6 +62,21 @@ def test_tuning_moves_the_split_to_where_copy_and_cpu_end_together_and_streams_w
     # the boundary layer's rows follow the tuned one-token share
     assert client.products[0].n0_fixed == coproc.rows_of(qkv.n, tuned.factors[1] * 0.5)
     assert "1 rows: x" in tuned.summary() and "64 rows: not split" in tuned.summary()
+    assert tuned.summary().endswith(f"; streaming every row {tuned.stream_ms[1]:.1f} ms")
+
+
+def test_streaming_every_row_is_timed_once_at_the_smallest_step():
+    """Streaming is copy-bound at every step size the split serves: one timing (its fastest) stands for all."""
+    client = split_client({1: 50.0, 4: 50.0, 16: 50.0}, layers=2)
+    model, streamed = node(client.products, 45.0, {1: 30.0, 4: 30.0, 16: 20.0}), []
+
+    def timer(rows, n0s):
+        if n0s == [p.n for p in client.products]:
+            streamed.append(rows)
+            return 100.0 + rows  # more GPU compute at larger steps
+        return model(rows, n0s)
+    tuned = coproc_tune.tune(client, 1, timer)
+    assert streamed == [1] and tuned.stream_ms == {1: 101.0, 4: 101.0, 16: 101.0}
 
 
 def test_a_node_where_the_split_never_pays_streams_every_step():
