@@ -204,10 +204,11 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
         best_ms = min(tried[factor], out.again.get(rows, {}).get(factor, tried[factor]))
         scale = factor
         if (alone := cpu_only(rows, factor, best_ms)) is not None:
-            out.cpu_only.add(rows)
             scale, best_ms = 0.0, alone
         if best_ms >= out.stream_ms[rows]:
             break  # streaming wins here: this size and all larger ones stream every row
+        if alone is not None:
+            out.cpu_only.add(rows)
         out.factors[rows], out.pass_ms[rows] = factor, best_ms
         for keep, s in zip(kept, shares(rows, scale)):
             if s is not None:

@@ -160,3 +160,14 @@ def test_a_cpu_only_pass_that_was_fast_once_does_not_replace_the_split():
         tuned = coproc_tune.tune(client, 1, timer)
         assert len(cpu_only_passes) == 2 and (tuned.cpu_only == {1}) is kept, tuned.summary()
         assert (client.n0(0, 1) == 0) is kept
+
+
+def test_a_cpu_only_pass_that_streaming_still_beats_is_not_kept():
+    """At 4 rows the CPU starves beside the copy (2 GB/s) and alone (40 GB/s) beats any split, but streaming every row
+    (55 GB/s) beats both: that size streams, and what was timed still reads back (the summary once raised here)."""
+    client = split_client({1: 50.0, 4: 50.0})
+    tuned = coproc_tune.tune(client, 1, node(client.products, 45.0, {1: 30.0, 4: 2.0},
+                                             cpu_alone_gbs={1: 30.0, 4: 40.0}))
+    assert 4 in tuned.cpu_only_ms and tuned.cpu_only_ms[4] > tuned.stream_ms[4]
+    assert 4 not in tuned.cpu_only and 4 not in tuned.factors and client.n0(0, 4) is None and client.n0(0, 1) > 0
+    assert "4 rows: not split (CPU only" in tuned.summary()
