@@ -57,8 +57,8 @@ def search(seconds: Callable[[float], float], step: float = STEP, low: float = L
 class Tuned:
     factors: dict[int, float] = field(default_factory=dict)   # step size -> factor on the measured shares
     pass_ms: dict[int, float] = field(default_factory=dict)   # step size -> the kept split's pass
-    stream_ms: dict[int, float] = field(default_factory=dict)  # step size -> the pass streaming every row (timed once)
-    tried: dict[int, dict[float, float]] = field(default_factory=dict)
+    stream_ms: float = 0.0  # the pass streaming every row: copy-bound, so timed once (at the smallest step size)
+    tried: dict[int, dict[float, float]] = field(default_factory=dict)  # step size -> factor -> pass (sizes reached)
     again: dict[int, dict[float, float]] = field(default_factory=dict)  # the search's pick and x1, timed once more
     cpu_only_ms: dict[int, float] = field(default_factory=dict)  # step size -> the pass with the CPU on every row
     cpu_only: set[int] = field(default_factory=set)  # step sizes kept so (share 0: nothing copied)
@@ -66,7 +66,7 @@ class Tuned:
 
     def summary(self) -> str:
         parts = []
-        for rows in sorted(self.stream_ms):
+        for rows in sorted(self.tried):
             again = "".join(f"; again x{f:g} {ms:.1f}" for f, ms in self.again.get(rows, {}).items())
             kept = (f"x{self.factors[rows]:g}, {self.pass_ms[rows]:.1f} ms (x1: {self.tried[rows][1.0]:.1f}{again})"
                     if rows in self.factors else "not split")
@@ -74,7 +74,7 @@ class Tuned:
                 kept = f"CPU only, {self.pass_ms[rows]:.1f} ms (split x{self.factors[rows]:g}: {min(self.tried[rows].values()):.1f})"
             cpu = f" (CPU only {self.cpu_only_ms[rows]:.1f} ms)" if rows in self.cpu_only_ms and rows not in self.cpu_only else ""
             parts.append(f"{rows} rows: {kept}{cpu}")
-        stream = f"; streaming every row {min(self.stream_ms.values()):.1f} ms" if self.stream_ms else ""
+        stream = f"; streaming every row {self.stream_ms:.1f} ms" if self.tried else ""
         return "; ".join(parts) + stream
 
 
@@ -189,9 +189,8 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
     sizes = sorted({b for table in base for b, _ in table})
     # streaming every row is copy-bound at every step size the split serves (127-128 ms at 1-64 rows on the H100 and
     # H200 boxes): timed once, at the smallest, its fastest (a split must beat the best that streaming does)
-    stream_ms = timer(sizes[0], every_row) if sizes else 0.0
+    out.stream_ms = timer(sizes[0], every_row) if sizes else 0.0
     for rows in sizes:
-        out.stream_ms[rows] = stream_ms
         factor, tried = search(lambda f: timer(rows, n0s(rows, f)))
         out.tried[rows] = tried
         if factor != 1.0:
@@ -205,7 +204,7 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
         scale = factor
         if (alone := cpu_only(rows, factor, best_ms)) is not None:
             scale, best_ms = 0.0, alone
-        if best_ms >= out.stream_ms[rows]:
+        if best_ms >= out.stream_ms:
             break  # streaming wins here: this size and all larger ones stream every row
         if alone is not None:
             out.cpu_only.add(rows)
