@@ -1,8 +1,10 @@
 """The shipped dashboards and alerts against Debian's real Prometheus.
 
-One 2-stage CPU pipeline (HYBRID_INSTANCE=demo) and the operator's metrics endpoint (with real
-reconciles against kmock's Kubernetes emulator) are scraped every second by `prometheus` on
-loopback, with the labels the chart's PodMonitor gives pipeline targets. While traffic runs, every
+One 2-stage CPU pipeline (HYBRID_INSTANCE=demo), the cpu pods' servers of strategies coprocessor and
+experts (the product and the expert server, each stage 1 of a pipeline of its own, driven over their
+socket as their GPU stage drives them) and the operator's metrics endpoint (with real reconciles
+against kmock's Kubernetes emulator) are scraped every second by `prometheus` on loopback, with the
+labels the chart's PodMonitor gives pipeline targets. While traffic runs, every
 panel query of every dashboard must return data through /api/v1/query, every dashboard variable
 must list the pipeline, and every alert of files/alerts.yaml must load (promtool, Prometheus'
 rule manager) and evaluate; a hung worker must make HybridInferencePipelineStalled fire and stopping a
@@ -29,8 +31,10 @@ from types import SimpleNamespace
 
 import kmock as kmock_lib
 import pytest
+import torch
 import yaml
-from vllm_hybrid import loadgen
+from cpu_servers import CoprocSession, E, H, coproc_session, experts_session, gpu_play, make_experts, start_server
+from vllm_hybrid import coproc, experts, loadgen
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -46,6 +50,15 @@ VARIABLES = {"namespace": NAMESPACE, "pipeline": PIPELINE, "model_name": MODEL, 
 STAGES = [{"name": "head", "device": "cpu", "layers": 1, "cpus": 1, "memory": "4Gi"},
           {"name": "tail", "device": "cpu", "layers": 3, "cpus": 1, "memory": "4Gi"}]
 STALL_TIMEOUT = 30  # PipelineStalled's expression holds from half of it; the stages restart at all of it
+# the cpu pods' servers: module -> the pipeline whose cpu pod (stage 1, "cpu") runs it
+SERVERS = {"coproc": "demo-coproc", "experts": "demo-experts"}
+SERVER_ROW = "CPU product servers (coprocessor / experts)"  # the pipeline dashboard's row of their panels
+# what a user picks to see that row: both pipelines (Grafana writes a multi-value pick as a regex)
+ROW_VARIABLES = {SERVER_ROW: {"pipeline": "(" + "|".join(SERVERS.values()) + ")"}}
+COPROC_PRODUCTS = [(64, 64), (96, 64)]  # the product server's weights (N x K)
+COPROC_ROWS = (1, 4)                    # its steps' tokens, in turn
+REMOTE = {0: [1, 3], 2: [0, 5, 6]}      # the expert server's experts, by layer (expert 2 stays on the main stage)
+BETWEEN_S = 0.005                       # the main stage's work between a step's two MoE layers
 
 
 def need(tool: str) -> str:
@@ -151,6 +164,81 @@ def pipeline(tiny_llama, tmp_path_factory):
         pipe.stop()
 
 
+# ---------------------------------------------------------------- the cpu pods' servers
+class ServerSteps:
+    """Both servers' steps in a thread, every 50 ms until stop() (bounded to 10 min): every product of a
+    coprocessor step (the cpu's rows from 32 on) and an experts step (layer 0, then layer 2 BETWEEN_S later; each
+    token's first expert on the cpu pod, its second on the main stage: a remote share of 1/2)."""
+
+    def __init__(self, products: CoprocSession, moe: experts.Client):
+        self.session, self.moe, self.products, self.steps, self.error = products, moe, 0, 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        deadline, n = time.monotonic() + 600, 0
+        try:
+            while not self._stop.wait(0.05) and time.monotonic() < deadline:
+                rows, n = COPROC_ROWS[n % len(COPROC_ROWS)], n + 1
+                for j, (out, k) in enumerate(COPROC_PRODUCTS):
+                    gpu_play(self.session.io, j, torch.randn(rows, k), out, 32)
+                    self.products += 1
+                for layer, ids in REMOTE.items():
+                    tokens = 1 + 2 * (n % 2)
+                    topk = torch.tensor([[ids[t % len(ids)], 2] for t in range(tokens)], dtype=torch.int32)
+                    self.moe.moe_remote(layer, torch.randn(tokens, H), topk, torch.full((tokens, 2), 0.5))
+                    self.steps += 1
+                    time.sleep(BETWEEN_S)
+        except Exception as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(30)
+        assert self.error is None and self.products and self.steps, self.error
+
+
+@pytest.fixture(scope="module")
+def cpu_servers(tmp_path_factory):
+    """`python -m vllm_hybrid.coproc` and `python -m vllm_hybrid.experts` as the cpu pods of SERVERS' pipelines run
+    them (torch's kernels on one thread; they spin while idle, so below the stages' priority and on cores the stages
+    leave free where there are any), each in a session with this process as its main stage."""
+    work = tmp_path_factory.mktemp("servers")
+    spare = sorted(os.sched_getaffinity(0) - {0, 1})
+    prefix = ("nice", "-n", "10", *(("taskset", "-c", ",".join(map(str, spare))) if spare else ()))
+    ports = {module: free_port() for module in SERVERS}
+    logs = {module: open(work / f"{module}.log", "w") for module in SERVERS}  # noqa: SIM115 - closed in finally
+    procs = {module: start_server(module, str(work / f"{module}.sock"), ports[module], {
+        "HYBRID_INSTANCE": pipeline, "HYBRID_REPLICA": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+        coproc.KERNEL_ENV: "torch", experts.KERNEL_ENV: "torch"}, stdout=logs[module], prefix=prefix)
+        for module, pipeline in SERVERS.items()}
+    try:
+        torch.manual_seed(0)
+        products = coproc_session(str(work / "coproc.sock"), [torch.randn(n, k) for n, k in COPROC_PRODUCTS], 8,
+                                  procs["coproc"])
+        moe = experts_session(str(work / "experts.sock"), REMOTE,
+                              {layer: make_experts(E, torch.float32, seed=layer) for layer in REMOTE}, torch.float32)
+        steps = ServerSteps(products, moe)
+        yield SimpleNamespace(ports=ports, steps=steps)
+        steps.stop()
+        products.sock.close()  # the main stages went: the servers exit at their next idle check
+        moe.sock.close()
+        for proc in procs.values():
+            proc.wait(30)
+        out = {module: (work / f"{module}.log").read_text() for module in SERVERS}
+        assert [p.returncode for p in procs.values()] == [0, 0], out
+        assert f"closed the connection after {steps.products} products" in out["coproc"]
+        assert f"closed the connection after {steps.steps} steps" in out["experts"]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs.values():
+            log.close()
+
+
 # ---------------------------------------------------------------- prometheus
 class Prom:
     def __init__(self, url: str):
@@ -191,14 +279,18 @@ def rules_for_test(work: Path) -> Path:
     return path
 
 
-def scrape_config(pipe: LocalPipeline, operator_port: int, rules: Path = ALERTS) -> dict:
-    """The targets and labels the chart's PodMonitor / ServiceMonitor produce in a cluster."""
-    def stage_labels(i):
-        return {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": str(i), "stage_name": STAGES[i]["name"],
+def scrape_config(pipe: LocalPipeline, operator_port: int, rules: Path = ALERTS,
+                  servers: dict[str, int] | None = None) -> dict:
+    """The targets and labels the chart's PodMonitor / ServiceMonitor produce in a cluster (`servers`: the cpu
+    pods' servers' metrics ports, by module)."""
+    def stage_labels(i, pipeline=PIPELINE, name=None):
+        return {"namespace": NAMESPACE, "pipeline": pipeline, "stage": str(i), "stage_name": name or STAGES[i]["name"],
                 "replica": "0"}
     api = pipe.url.removeprefix("http://")
     stage_targets = [{"targets": [pipe.metrics_url(i).removeprefix("http://").removesuffix("/metrics")],
                       "labels": stage_labels(i)} for i in range(len(STAGES))]
+    stage_targets += [{"targets": [f"127.0.0.1:{port}"], "labels": stage_labels(1, SERVERS[module], "cpu")}
+                      for module, port in (servers or {}).items()]
     return {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(rules)],
@@ -212,10 +304,11 @@ def scrape_config(pipe: LocalPipeline, operator_port: int, rules: Path = ALERTS)
 
 
 @pytest.fixture(scope="module")
-def prom(pipeline, operator_port, tmp_path_factory):
+def prom(pipeline, operator_port, cpu_servers, tmp_path_factory):
     binary = need("prometheus")
     work = tmp_path_factory.mktemp("prometheus")
-    (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(pipeline, operator_port, rules_for_test(work))))
+    config = scrape_config(pipeline, operator_port, rules_for_test(work), cpu_servers.ports)
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(work / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
@@ -292,20 +385,22 @@ def traffic(pipeline, prom):
 
 
 # ---------------------------------------------------------------- dashboards
-def substitute(expr: str) -> str:
-    for name, value in sorted(VARIABLES.items(), key=lambda kv: -len(kv[0])):
+def substitute(expr: str, **picked: str) -> str:
+    for name, value in sorted({**VARIABLES, **picked}.items(), key=lambda kv: -len(kv[0])):
         expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
     assert "$" not in expr, f"unknown dashboard variable in {expr}"
     return expr
 
 
-def panel_queries() -> list[tuple[str, str, str]]:
+def panel_queries() -> list[tuple[str, str, str, str]]:
+    """(dashboard, row, panel, query) of every panel query."""
     out = []
     for path in DASHBOARDS:
-        board = json.loads(path.read_text())
+        board, row = json.loads(path.read_text()), ""
         for panel in board["panels"]:
+            row = panel["title"] if panel["type"] == "row" else row
             for t in panel.get("targets", []):
-                out.append((path.stem, panel["title"], t["expr"]))
+                out.append((path.stem, row, panel["title"], t["expr"]))
     return out
 
 
@@ -317,8 +412,8 @@ def test_every_dashboard_is_covered():
 
 def test_every_panel_query_returns_data(prom, traffic):
     empty, queried = [], 0
-    for board, title, expr in panel_queries():
-        q = substitute(expr)
+    for board, row, title, expr in panel_queries():
+        q = substitute(expr, **ROW_VARIABLES.get(row, {}))
         result = prom.wait_for(f"({q}) == ({q})", timeout=10)  # x == x drops NaN (e.g. 0/0) samples
         queried += 1
         if not result:
@@ -338,6 +433,8 @@ def test_dashboard_variables_list_the_pipeline(prom, traffic):
             selector, label = substitute(m.group(1)), m.group(2)
             out = prom.get(f"/api/v1/label/{label}/values", **{"match[]": selector})
             assert out["status"] == "success" and expected[label] in out["data"], (path.name, var["name"], out)
+            if path.stem == "pipeline" and label == "pipeline":  # the cpu pods' servers' pipelines can be picked
+                assert set(SERVERS.values()) <= set(out["data"]), out
             seen += 1
     assert seen >= 6
 
@@ -369,6 +466,37 @@ def test_pipeline_panels_mean_what_they_say(prom, traffic):
     assert placement == {"head": ("cpu", "0-0", cpus[0]), "tail": ("cpu", "1-3", cpus[1])}
     kv = {r["metric"]["stage"]: float(r["value"][1]) for r in run("KV blocks used per stage", 1)}
     assert set(kv) == {"0", "1"} and kv["0"] == kv["1"] > 0  # same block count on every stage
+
+
+def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
+    """The product and expert servers' row, each panel with its server's pipeline picked, against what the test
+    drives: both busy part of the time, the cpu's time per product for each step size driven, the expert server's
+    remote share 1/2, the main stage's BETWEEN_S between two MoE layers, the product server's start figures."""
+    board = {p["title"]: p for p in json.loads((CHART / "dashboards" / "pipeline.json").read_text())["panels"]}
+
+    def run(title, i, module):
+        return prom.wait_for(substitute(board[title]["targets"][i]["expr"], pipeline=SERVERS[module]), timeout=30)
+
+    def one(title, i, module) -> float:
+        (r,) = run(title, i, module)
+        assert (r["metric"]["pipeline"], r["metric"]["stage"], r["metric"]["stage_name"]) == (SERVERS[module], "1", "cpu")
+        return float(r["value"][1])
+
+    busy, rates, between = ("CPU server busy (share of wall time)", "Products/s, MoE layer steps/s",
+                            "Experts: time between MoE layers vs. CPU time per layer")
+    assert 0 < one(busy, 0, "coproc") < 1 and 0 < one(busy, 1, "experts") < 1
+    per_product = {r["metric"]["rows"]: float(r["value"][1])
+                   for r in run("CPU time per product by step size (coprocessor)", 0, "coproc")}
+    assert set(per_product) == {str(rows) for rows in COPROC_ROWS} and all(0 < v < 0.1 for v in per_product.values())
+    products, steps, reads = one(rates, 0, "coproc"), one(rates, 1, "experts"), one(rates, 2, "experts")
+    assert products > 0 and 0 < steps <= reads <= 3 * steps  # 1-3 of a layer's remote experts have tokens
+    assert abs(one("Experts: remote share of routed token-expert pairs", 0, "experts") - 0.5) < 0.02
+    assert 0.9 * BETWEEN_S < one(between, 0, "experts") < 0.5 and 0 < one(between, 1, "experts") < 0.1
+    measured = {r["metric"]["figure"]: float(r["value"][1])
+                for r in run("Measured at start (hybrid_stage_measured)", 0, "coproc")}
+    assert set(measured) == {"dram_read_gbs", *(f"cpu_products_gbs_{n}x{k}_rows_{t}" for n, k in COPROC_PRODUCTS
+                                                for t in coproc.MEASURE_ROWS)}, measured
+    assert all(v > 0 for v in measured.values())
 
 
 def test_service_and_operator_panels_mean_what_they_say(prom, traffic):

@@ -12,25 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_servers import coproc_session, gpu_play, start_server
 from vllm_hybrid import coproc, hostmem, packed
 from vllm_hybrid.gemm_split import recv_msg, send_msg
 from vllm_hybrid.local import free_port
 
 SHAPES = [(96, 64), (64, 96), (160, 64)]
-
-
-def _gpu_play(io, j, x, n, n0, timeout=20.0):
-    """What the GPU stream does for product j (GpuSide.linear, without the GPU rows)."""
-    rows, k = x.shape
-    w = io.words
-    io.x(j, rows, k).copy_(x)
-    w[coproc.PRODUCT] = j
-    w[coproc.REQ] = coproc.encode(rows, n0)
-    end = time.monotonic() + timeout
-    while w[coproc.DONE] != 1:
-        assert time.monotonic() < end, "server did not answer"
-    w[coproc.DONE] = 0
-    return io.y(j, rows, n - n0).clone()
 
 
 def test_encode_round_trip_and_bounds():
@@ -63,32 +50,11 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
     elem = weights[0].element_size()
     path, port = str(tmp_path / "s.coproc"), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.coproc", "--socket", path, "--pages", "shmem",
-                             "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu",
-                                 coproc.KERNEL_ENV: kernel})
+    proc = start_server("coproc", path, port, {coproc.KERNEL_ENV: kernel})
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        end = time.monotonic() + 60
-        while True:
-            try:
-                sock.connect(path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                assert time.monotonic() < end and proc.poll() is None, "server did not listen"
-                time.sleep(0.1)
-        total = sum(n * k for n, k in SHAPES) * elem
-        send_msg(sock, {"weights_bytes": total})
-        reply = recv_msg(sock, max_fds=1)
-        wmap, size = hostmem.open_fd(reply["fds"][0])
-        assert size >= total and "shmem" in reply["describe"]
-        flat = torch.frombuffer(wmap, dtype=dtype, count=total // elem)
-        flat.copy_(torch.cat([w.flatten() for w in weights]))  # what the GPU worker's loader does
-        offsets = [sum(n * k for n, k in SHAPES[:j]) * elem for j in range(len(SHAPES))]
-        send_msg(sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": 8,
-                        "products": [[o, n, k] for o, (n, k) in zip(offsets, SHAPES)]})
-        reply = recv_msg(sock, max_fds=1)
-        iomap, _ = hostmem.open_fd(reply["fds"][0])
+        session = coproc_session(path, weights, 8, proc)
+        assert session.region_bytes >= sum(n * k for n, k in SHAPES) * elem and "shmem" in session.describe
+        flat, offsets, reply, io = session.region, session.offsets, session.reply, session.io
         # what it measured at start, per product shape and step size, for the GPU's split
         measured = reply["measured"]
         assert set(measured["products_gbs"]) == {"96x64", "64x96", "160x64"}
@@ -102,15 +68,13 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
         plain = [packed.unpack(r, reply["packed"]) if reply["packed"] else r for r in region]
         assert all(torch.equal(p, w) for p, w in zip(plain, weights))  # the GPU copies and unpacks these bytes
         assert reply["packed"] is None or not torch.equal(region[0], weights[0])
-        io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc.IoLayout.for_shapes(SHAPES, 8, elem),
-                            dtype)
         calls, tol = 0, {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {}
         for step, rows in enumerate([1, 8, 3, 1]):  # steps of different sizes, products in any order
             for j, (n, k) in reversed(list(enumerate(SHAPES))) if step % 2 else enumerate(SHAPES):
                 x = torch.randn(rows, k).to(dtype)
                 n0 = min([32, 64, 0, 32][(j + step) % 4], n - 32)
                 want = (x.float() @ weights[j][n0:].float().t()).to(dtype)
-                torch.testing.assert_close(_gpu_play(io, j, x, n, n0), want, **tol)
+                torch.testing.assert_close(gpu_play(io, j, x, n, n0), want, **tol)
                 calls += 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert f'hybrid_coproc_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
@@ -121,7 +85,7 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
         assert 'hybrid_coproc_step_busy_seconds{pipeline="local",replica="0",rows="8"' in metrics
         assert 'hybrid_stage_measured{figure="cpu_products_gbs_160x64_rows_1"' in metrics
         assert 'hybrid_stage_measured{figure="dram_read_gbs"' in metrics
-        sock.close()  # the GPU stage went: the server stops at its next idle check
+        session.sock.close()  # the GPU stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()

@@ -15,17 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from cpu_servers import INTER, E, H, K, experts_session, make_experts, start_server
 from pipelines import MAX_TOKENS, PROMPTS, reference
 from vllm_hybrid import experts
 from vllm_hybrid.local import free_port
-
-H, INTER, E, K = 64, 96, 8, 2
-
-
-def make_experts(n, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [((torch.randn(2 * INTER, H, generator=g) * 0.1).to(dtype), (torch.randn(H, INTER, generator=g) * 0.1).to(dtype))
-            for _ in range(n)]
 
 
 def routing(rows, seed, experts_=E, k=K):
@@ -186,22 +179,9 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
     remote = {0: [1, 3], 2: [0, 5, 6]}
     weights = {layer: make_experts(E, dtype, seed=layer) for layer in remote}
     path, port = str(tmp_path / "s.experts"), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem",
-                             "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu",
-                                 experts.KERNEL_ENV: choice})
+    proc = start_server("experts", path, port, {experts.KERNEL_ENV: choice})
     try:
-        client = experts.Client(remote, max_rows=8, device="cpu")
-        client.connect(path, timeout=60)
-        nbytes = client.region_bytes(5, (2 * INTER, H), (H, INTER), dtype)
-        assert "shmem" in client.open_weights(nbytes)
-        for layer, ids in remote.items():
-            held = client.hold(layer, (2 * INTER, H), (H, INTER), dtype, K, E)
-            for e, (w13, w2) in zip(ids, held.weights):  # what the main stage's loader does
-                w13.copy_(weights[layer][e][0])
-                w2.copy_(weights[layer][e][1])
-        assert client.used <= nbytes
-        assert client.publish() >= 1
+        client = experts_session(path, remote, weights, dtype)
         steps = reads = tokens = 0
         for step, (layer, rows) in enumerate([(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)]):
             x = torch.randn(rows, H).to(dtype)

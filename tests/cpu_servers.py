@@ -1,0 +1,112 @@
+"""The cpu pods' servers (`python -m vllm_hybrid.coproc` of strategy coprocessor, `python -m vllm_hybrid.experts` of
+strategy experts) started as a cpu pod runs them and driven over their Unix socket as the main stage drives them,
+without a GPU: tests/runtime's protocol tests and tests/observability's Prometheus test share these."""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm_hybrid import coproc, experts, hostmem
+from vllm_hybrid.gemm_split import recv_msg, send_msg
+
+H, INTER, E, K = 64, 96, 8, 2  # the expert tests' MoE layer: hidden size, expert intermediate size, experts, top-k
+
+
+def start_server(module: str, path: str, metrics_port: int, env: dict[str, str], stdout=subprocess.PIPE,
+                 prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python -m vllm_hybrid.<module>` as cpu stage 1 ("cpu") runs it, listening on `path`, its regions on shmem
+    pages, its metrics on `metrics_port`; `env` over this process's, `prefix` before the command (nice, taskset)."""
+    return subprocess.Popen([*prefix, sys.executable, "-m", f"vllm_hybrid.{module}", "--socket", path, "--pages",
+                             "shmem", "--metrics-port", str(metrics_port)], stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu", **env})
+
+
+# --- strategy coprocessor: the test plays the GPU worker ---------------------------------------------
+
+def gpu_play(io: coproc.IoViews, j: int, x: torch.Tensor, n: int, n0: int, timeout: float = 20.0) -> torch.Tensor:
+    """What the GPU stream does for product j (GpuSide.linear, without the GPU rows): the CPU's rows [n0, n)."""
+    rows, k = x.shape
+    w = io.words
+    io.x(j, rows, k).copy_(x)
+    w[coproc.PRODUCT] = j
+    w[coproc.REQ] = coproc.encode(rows, n0)
+    end = time.monotonic() + timeout
+    while w[coproc.DONE] != 1:
+        assert time.monotonic() < end, "server did not answer"
+    w[coproc.DONE] = 0
+    return io.y(j, rows, n - n0).clone()
+
+
+@dataclass
+class CoprocSession:
+    sock: socket.socket
+    describe: str          # the weights region, as the server describes it
+    region_bytes: int
+    region: torch.Tensor   # the weights region as the GPU worker's loader filled it (flat, in the weights' dtype)
+    offsets: list[int]     # each product's byte offset in it
+    reply: dict            # the manifest's answer: what the server measured, the layout it keeps the region in
+    io: coproc.IoViews
+
+
+def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: subprocess.Popen,
+                   timeout: float = 60.0) -> CoprocSession:
+    """The GPU worker's start of a session: the weights region asked for and filled as its loader does, the
+    manifest of products sent, the io region mapped."""
+    dtype, elem = weights[0].dtype, weights[0].element_size()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            assert time.monotonic() < end and proc.poll() is None, "server did not listen"
+            time.sleep(0.1)
+    total = sum(w.numel() for w in weights) * elem
+    send_msg(sock, {"weights_bytes": total})
+    first = recv_msg(sock, max_fds=1)
+    wmap, size = hostmem.open_fd(first["fds"][0])
+    flat = torch.frombuffer(wmap, dtype=dtype, count=total // elem)
+    flat.copy_(torch.cat([w.flatten() for w in weights]))  # what the GPU worker's loader does
+    offsets = list(itertools.accumulate((w.numel() * elem for w in weights[:-1]), initial=0))
+    send_msg(sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": max_rows,
+                    "products": [[o, *w.shape] for o, w in zip(offsets, weights)]})
+    reply = recv_msg(sock, max_fds=1)
+    iomap, _ = hostmem.open_fd(reply["fds"][0])
+    for fd in (first["fds"][0], reply["fds"][0]):
+        os.close(fd)  # the mappings keep the regions
+    io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8),
+                        coproc.IoLayout.for_shapes([tuple(w.shape) for w in weights], max_rows, elem), dtype)
+    return CoprocSession(sock, first["describe"], size, flat, offsets, reply, io)
+
+
+# --- strategy experts: the test plays the main stage, through the client vLLM's patch uses -----------
+
+def make_experts(n: int, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(2 * INTER, H, generator=g) * 0.1).to(dtype), (torch.randn(H, INTER, generator=g) * 0.1).to(dtype))
+            for _ in range(n)]
+
+
+def experts_session(path: str, remote: dict[int, list[int]], weights: dict[int, list], dtype: torch.dtype,
+                    max_rows: int = 8, timeout: float = 60.0) -> experts.Client:
+    """The main stage's start of a session: the region sized for the remote experts, filled as its loader does
+    (`weights[layer][expert]`: w13, w2), the manifest published."""
+    client = experts.Client(remote, max_rows=max_rows, device="cpu")
+    client.connect(path, timeout=timeout)
+    nbytes = client.region_bytes(sum(len(ids) for ids in remote.values()), (2 * INTER, H), (H, INTER), dtype)
+    assert "shmem" in client.open_weights(nbytes)
+    for layer, ids in remote.items():
+        held = client.hold(layer, (2 * INTER, H), (H, INTER), dtype, K, E)
+        for e, (w13, w2) in zip(ids, held.weights):  # what the main stage's loader does
+            w13.copy_(weights[layer][e][0])
+            w2.copy_(weights[layer][e][1])
+    assert client.used <= nbytes
+    assert client.publish() >= 1
+    return client
