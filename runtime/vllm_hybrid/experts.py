@@ -108,6 +108,7 @@ class Served:
     # MoE layers plus both hand-overs (where a step's time goes beside busy_s)
     between_s: float = 0.0
     betweens: int = 0
+    metrics: object = None  # the server's StageMetrics (serve_metrics): what it measured at start goes there
 
 
 def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -405,6 +406,9 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
         log.info("kernels measured on layer %d's %d experts (GB/s at one token / %d on each expert): %s; serving "
                  "with %s (%.1f s)", largest, len(per_layer[largest][0]), BATCH_ROWS, measured_words(gbs), choice,
                  time.perf_counter() - t0)
+        from . import stage_metrics  # on the stage's metrics too (hybrid_stage_measured), as the coprocessor's
+        stage_metrics.record_measured({f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
+                                       for rows, v in zip((1, BATCH_ROWS), pair)}, served.metrics if served else None)
     layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
     kernels = sorted({ly.kernel_name for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
@@ -422,6 +426,7 @@ def serve_metrics(port: int, served: Served) -> None:
 
     from .stage_metrics import StageMetrics, stage_labels
     m = StageMetrics(stage_labels())
+    served.metrics = m
     m.info.info({"device": "cpu", "layers": "", "strategy": "experts"})
     reg: CollectorRegistry = m.registry
     labels = list(m.labels)

@@ -162,9 +162,12 @@ def test_io_layout_keeps_words_and_buffers_apart():
     assert lay.offset(3, 1) + 64 * 4096 * 2 == lay.nbytes
 
 
+def _scrape(port) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
 def _metric(port, name):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return float(re.search(rf"^hybrid_experts_{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+    return float(re.search(rf"^hybrid_experts_{name}{{[^}}]*}} (\S+)$", _scrape(port), re.M).group(1))
 
 
 @pytest.mark.parametrize("dtype,choice,kernel,tol", [(torch.float32, "torch", "torch GEMMs", 1e-5),
@@ -204,6 +207,8 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         assert _metric(port, "busy_seconds") > 0
         # a step's next MoE layer (0 -> 2), not a new step's first (2 -> 0) nor a layer the main stage kept (12 rows)
         assert _metric(port, "betweens") == 2 and _metric(port, "between_seconds") > 0
+        measured = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^hybrid_stage_measured{[^}]*figure="([^"]+)"[^}]*} (\S+)$', _scrape(port), re.M)}
         client.sock.close()  # the main stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
@@ -211,6 +216,10 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
     assert proc.returncode == 0, out
     assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
     assert f"with {kernel}" in out if choice != "auto" else "kernels measured on layer 2's 3 experts" in out
+    # what it measured at start is on its metrics too, one figure per kernel and step (none measured unless auto)
+    figures = {f"experts_kernel_gbs_{name}_rows_{rows}" for name in ("torch", *experts.PACKED_KERNELS)
+               for rows in (1, experts.BATCH_ROWS)}
+    assert set(measured) == (figures if choice == "auto" else set()) and all(v > 0 for v in measured.values())
 
 
 def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
