@@ -177,11 +177,10 @@ def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, f
             continue
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                 if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_", "hybrid_coproc_"))}
-        out.append(tuple(vals.get(k, 0.0) for k in ("hybrid_stage_forward_seconds_sum", "hybrid_stage_forward_seconds_count",
-                                                    "hybrid_experts_expert_tokens", "hybrid_experts_routed_pairs",
-                                                    "hybrid_experts_busy_seconds", "hybrid_experts_steps",
-                                                    "hybrid_experts_between_seconds", "hybrid_experts_betweens",
-                                                    "hybrid_coproc_busy_seconds", "hybrid_coproc_products")))
+        out.append((vals.get("hybrid_stage_forward_seconds_sum", 0.0), vals.get("hybrid_stage_forward_seconds_count", 0.0),
+                    *(vals.get(f"hybrid_{k}_total", 0.0) for k in (
+                        "experts_expert_tokens", "experts_routed_pairs", "experts_busy_seconds", "experts_steps",
+                        "experts_between_seconds", "experts_betweens", "coproc_busy_seconds", "coproc_products"))))
     return out
 
 
@@ -189,7 +188,7 @@ def coproc_by_rows(metrics_urls: list[str]) -> dict[int, tuple[float, float]]:
     """A coprocessor's product server so far, by the step's tokens: (busy seconds, products)."""
     out: dict[int, tuple[float, float]] = {}
     for text in filter(None, map(scrape, metrics_urls)):
-        for m in re.finditer(r'^hybrid_coproc_step_(busy_seconds|products)\{.*rows="(\d+)".*\} (\S+)$', text, re.M):
+        for m in re.finditer(r'^hybrid_coproc_step_(busy_seconds|products)_total\{.*rows="(\d+)".*\} (\S+)$', text, re.M):
             busy, n = out.get(int(m[2]), (0.0, 0.0))
             out[int(m[2])] = (busy + float(m[3]), n) if m[1] == "busy_seconds" else (busy, n + float(m[3]))
     return out

@@ -3,6 +3,7 @@ strategy experts) started as a cpu pod runs them and driven over their Unix sock
 without a GPU: tests/runtime's protocol tests and tests/observability's Prometheus test share these."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from vllm_hybrid import coproc, experts, hostmem
@@ -25,6 +27,14 @@ def start_server(module: str, path: str, metrics_port: int, env: dict[str, str],
     return subprocess.Popen([*prefix, sys.executable, "-m", f"vllm_hybrid.{module}", "--socket", path, "--pages",
                              "shmem", "--metrics-port", str(metrics_port)], stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu", **env})
+
+
+def bench_script(name: str):
+    """bench/<name>.py as a module: the bench times what these servers do and reads their metrics."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- strategy coprocessor: the test plays the GPU worker ---------------------------------------------

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cpu_server, packed
-from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
+from .cpu_server import Counters, RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 
 log = logging.getLogger("vllm_hybrid.coproc")
 ALIGN = 32          # n0 is whole 32-row blocks: the sgl kernel's packed blocks (the request word stores n0 / ALIGN)
@@ -346,40 +346,25 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 
 
 def serve_metrics(port: int, served: Served) -> None:
-    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+    from prometheus_client import start_http_server
 
     from .stage_metrics import StageMetrics, stage_labels
     m = StageMetrics(stage_labels())
     served.metrics = m
     m.info.info({"device": "cpu", "layers": "", "strategy": "coprocessor"})
-    reg: CollectorRegistry = m.registry
-    labels = list(m.labels)
-    Gauge("hybrid_coproc_products", "Matrix products this CPU stage computed rows of for its GPU stage",
-          labels, registry=reg).labels(**m.labels).set_function(lambda: served.products)
-    Gauge("hybrid_coproc_busy_seconds", "Time this CPU stage spent computing products (else waiting for the GPU)",
-          labels, registry=reg).labels(**m.labels).set_function(lambda: served.busy_s)
-    reg.register(ByRows(served, m.labels))
-    start_http_server(port, registry=reg)
 
-
-class ByRows:
-    """The server's products and compute time by the step's tokens (a label per step size seen): the GPU stage's
-    passes timed at start, its warm-up and its decode steps, to set the CPU's part of a step against its whole."""
-
-    def __init__(self, served: Served, labels: dict[str, str]):
-        self.served, self.labels = served, labels
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-        names = [*self.labels, "rows"]
-        busy = GaugeMetricFamily("hybrid_coproc_step_busy_seconds", "Time computing products, by the step's tokens",
-                                 labels=names)
-        count = GaugeMetricFamily("hybrid_coproc_step_products", "Products computed, by the step's tokens", labels=names)
-        for rows, (seconds, products) in sorted(list(self.served.by_rows.items())):  # list(): one step under the GIL
-            busy.add_metric([*self.labels.values(), str(rows)], seconds)
-            count.add_metric([*self.labels.values(), str(rows)], products)
-        yield busy
-        yield count
+    def by_rows(i: int):  # busy seconds (0) or products (1) by the step's tokens; list(): one step under the GIL
+        return lambda: {rows: v[i] for rows, v in list(served.by_rows.items())}
+    # by the step's tokens (a label per step size seen): the GPU stage's passes timed at start, its warm-up and its
+    # decode steps, to set the CPU's part of a step against its whole
+    m.registry.register(Counters(m.labels, totals=(
+        ("hybrid_coproc_products", "Matrix products this CPU stage computed rows of for its GPU stage",
+         lambda: served.products),
+        ("hybrid_coproc_busy_seconds", "Time this CPU stage spent computing products (else waiting for the GPU)",
+         lambda: served.busy_s)), by_label=(
+        ("hybrid_coproc_step_busy_seconds", "Time computing products, by the step's tokens", "rows", by_rows(0)),
+        ("hybrid_coproc_step_products", "Products computed, by the step's tokens", "rows", by_rows(1)))))
+    start_http_server(port, registry=m.registry)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,27 @@ def closed(sock: socket.socket) -> bool:
         return True
 
 
+class Counters:
+    """A server's running totals as Prometheus counters (exposed as NAME_total; they only grow while it serves),
+    read at each scrape: `totals` gives (name, doc, read), `by_label` (name, doc, label, read -> {value: total})."""
+
+    def __init__(self, labels: dict[str, str], totals=(), by_label=()):
+        self.labels, self.totals, self.by_label = labels, totals, by_label
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, read in self.totals:
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, read())
+            yield family
+        for name, doc, label, read in self.by_label:
+            family = CounterMetricFamily(name, doc, labels=[*names, label])
+            for key, total in sorted(read().items()):
+                family.add_metric([*values, str(key)], total)
+            yield family
+
+
 def window_gbs(step: Callable[[int], int], seconds: float) -> float:
     """GB/s of step(0), step(1), ... (each runs one call and returns the bytes it read) over a window of `seconds`,
     one call at least: how both servers time their kernels at start (a window, not a best of a few calls)."""

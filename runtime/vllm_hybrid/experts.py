@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_server, hostmem
-from .cpu_server import RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
+from .cpu_server import Counters, RegionClient, closed, io_region, serve_one_session, wait_request, weights_and_manifest
 from .packed import sgl_runs_here, unpack, vllm_cpu_ops
 from .strategies.experts import (  # noqa: F401 (the placement and the env, pure, where the planner uses them)
     BYTES_ENV,
@@ -422,27 +422,24 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 
 
 def serve_metrics(port: int, served: Served) -> None:
-    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+    from prometheus_client import start_http_server
 
     from .stage_metrics import StageMetrics, stage_labels
     m = StageMetrics(stage_labels())
     served.metrics = m
     m.info.info({"device": "cpu", "layers": "", "strategy": "experts"})
-    reg: CollectorRegistry = m.registry
-    labels = list(m.labels)
-    for name, doc, read in (
-            ("steps", "MoE layer steps this CPU stage computed remote experts for", lambda: served.steps),
-            ("expert_reads", "Remote experts computed (each read once per step it has tokens)", lambda: served.expert_reads),
-            ("expert_tokens", "Token-expert pairs this CPU stage computed", lambda: served.expert_tokens),
-            ("routed_pairs", "Token-expert pairs routed in the steps this CPU stage served (its share: expert_tokens "
-             "over this)", lambda: served.routed_pairs),
-            ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)",
-             lambda: served.busy_s),
-            ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
-             "work between two MoE layers and both hand-overs)", lambda: served.between_s),
-            ("betweens", "Intervals summed in between_seconds", lambda: served.betweens)):
-        Gauge(f"hybrid_experts_{name}", doc, labels, registry=reg).labels(**m.labels).set_function(read)
-    start_http_server(port, registry=reg)
+    totals = (
+        ("steps", "MoE layer steps this CPU stage computed remote experts for", lambda: served.steps),
+        ("expert_reads", "Remote experts computed (each read once per step it has tokens)", lambda: served.expert_reads),
+        ("expert_tokens", "Token-expert pairs this CPU stage computed", lambda: served.expert_tokens),
+        ("routed_pairs", "Token-expert pairs routed in the steps this CPU stage served (its share: expert_tokens "
+         "over this)", lambda: served.routed_pairs),
+        ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)", lambda: served.busy_s),
+        ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
+         "work between two MoE layers and both hand-overs)", lambda: served.between_s),
+        ("betweens", "Intervals summed in between_seconds", lambda: served.betweens))
+    m.registry.register(Counters(m.labels, [(f"hybrid_experts_{name}", doc, read) for name, doc, read in totals]))
+    start_http_server(port, registry=m.registry)
 
 
 def main(argv: list[str] | None = None) -> int:

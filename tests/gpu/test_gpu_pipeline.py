@@ -280,7 +280,7 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
               if line.startswith("hybrid_experts_")}
     RESULTS[f"float32_experts_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "served": served,
                                           "gpu": [ln for ln in gpu_log.splitlines() if "experts:" in ln][-3:]}
-    assert served.get("hybrid_experts_steps", 0) > 0, served
+    assert served.get("hybrid_experts_steps_total", 0) > 0, served
     assert got == ref
 
 

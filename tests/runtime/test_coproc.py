@@ -2,17 +2,17 @@
 the request word, waits for done, reads y), the server computes rows [n0, N) from a shared memfd region in
 another process, as it does in a CPU pod. The GPU's end (memops in CUDA graphs) runs in tests/gpu."""
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
-from cpu_servers import coproc_session, gpu_play, start_server
+from cpu_servers import bench_script, coproc_session, gpu_play, start_server
 from vllm_hybrid import coproc, hostmem, packed
 from vllm_hybrid.gemm_split import recv_msg, send_msg
 from vllm_hybrid.local import free_port
@@ -77,12 +77,21 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
                 torch.testing.assert_close(gpu_play(io, j, x, n, n0), want, **tol)
                 calls += 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert f'hybrid_coproc_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
-        by_rows = {rows: f'hybrid_coproc_step_products{{pipeline="local",replica="0",rows="{rows}",stage="1",'
+        assert f'hybrid_coproc_products_total{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
+        by_rows = {rows: f'hybrid_coproc_step_products_total{{pipeline="local",replica="0",rows="{rows}",stage="1",'
                          f'stage_name="cpu"}} {count}.0' for rows, count in ((1, 2 * len(SHAPES)), (8, len(SHAPES)),
                                                                               (3, len(SHAPES)))}
         assert all(line in metrics for line in by_rows.values()), metrics
-        assert 'hybrid_coproc_step_busy_seconds{pipeline="local",replica="0",rows="8"' in metrics
+        assert 'hybrid_coproc_step_busy_seconds_total{pipeline="local",replica="0",rows="8"' in metrics
+        # running totals, typed as such (rate() and increase() in PromQL; a gauge would say it may go down)
+        assert set(re.findall(r"^# TYPE (hybrid_coproc_\w+) (\w+)$", metrics, re.M)) == {
+            (f"hybrid_coproc_{name}_total", "counter") for name in ("products", "busy_seconds", "step_products",
+                                                               "step_busy_seconds")}
+        # the bench reads them by these names (a renamed metric would read as 0 there, not fail)
+        bench, url = bench_script("gpu_bench"), f"http://127.0.0.1:{port}/metrics"
+        assert bench.forward_totals([url])[0][-1] == calls
+        assert {rows: n for rows, (_, n) in bench.coproc_by_rows([url]).items()} == {
+            1: 2 * len(SHAPES), 8: len(SHAPES), 3: len(SHAPES)}
         assert 'hybrid_stage_measured{figure="cpu_products_gbs_160x64_rows_1"' in metrics
         assert 'hybrid_stage_measured{figure="dram_read_gbs"' in metrics
         session.sock.close()  # the GPU stage went: the server stops at its next idle check
@@ -214,11 +223,7 @@ def test_steps_padded_to_the_same_rows_are_timed_once():
 
 def test_the_contention_probe_counts_the_bytes_of_steps_that_return_tensors():
     """bench/dram_contention.py's timer: its reads return tensors (a max, a GEMM's output), its window counts bytes."""
-    import importlib.util
-    path = Path(__file__).parents[2] / "bench" / "dram_contention.py"
-    spec = importlib.util.spec_from_file_location("dram_contention", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = bench_script("dram_contention")
     w, x = torch.ones(512, 1024, dtype=torch.bfloat16), torch.ones(1, 1024, dtype=torch.bfloat16)
     gbs = probe.gbs(lambda i: (time.sleep(0.001), x @ w.t())[1], 1 << 20, 0.05)
     ms_per_call = (1 << 20) / (gbs * 1e9) * 1e3

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from cpu_servers import INTER, E, H, K, experts_session, make_experts, start_server
+from cpu_servers import INTER, E, H, K, bench_script, experts_session, make_experts, start_server
 from pipelines import MAX_TOKENS, PROMPTS, reference
 from vllm_hybrid import experts
 from vllm_hybrid.local import free_port
@@ -167,7 +167,7 @@ def _scrape(port) -> str:
 
 
 def _metric(port, name):
-    return float(re.search(rf"^hybrid_experts_{name}{{[^}}]*}} (\S+)$", _scrape(port), re.M).group(1))
+    return float(re.search(rf"^hybrid_experts_{name}_total{{[^}}]*}} (\S+)$", _scrape(port), re.M).group(1))
 
 
 @pytest.mark.parametrize("dtype,choice,kernel,tol", [(torch.float32, "torch", "torch GEMMs", 1e-5),
@@ -207,6 +207,10 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         assert _metric(port, "busy_seconds") > 0
         # a step's next MoE layer (0 -> 2), not a new step's first (2 -> 0) nor a layer the main stage kept (12 rows)
         assert _metric(port, "betweens") == 2 and _metric(port, "between_seconds") > 0
+        assert set(re.findall(r"^# TYPE hybrid_experts_\w+ (\w+)$", _scrape(port), re.M)) == {"counter"}
+        # the bench reads them by these names: (expert tokens, routed pairs, busy, steps, between, betweens)
+        got = bench_script("gpu_bench").forward_totals([f"http://127.0.0.1:{port}/metrics"])[0][2:8]
+        assert (got[0], got[1], got[3], got[5]) == (tokens, served_rows * K, steps, 2) and got[2] > 0 and got[4] > 0
         measured = {m.group(1): float(m.group(2)) for m in re.finditer(
             r'^hybrid_stage_measured{[^}]*figure="([^"]+)"[^}]*} (\S+)$', _scrape(port), re.M)}
         client.sock.close()  # the main stage went: the server stops at its next idle check
