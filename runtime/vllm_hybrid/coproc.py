@@ -116,6 +116,7 @@ class Served:
     products: int = 0
     busy_s: float = 0.0  # computing (the rest of the time it waits for the GPU)
     metrics: object = None  # the server's StageMetrics (serve_metrics)
+    split_products: int = 0  # products in a split step, each computed once a step (the session's manifest)
     by_rows: dict[int, list] = field(default_factory=dict)  # step size -> [busy seconds, products]
 
     def add(self, rows: int, seconds: float) -> None:
@@ -324,6 +325,8 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     dtype = getattr(torch, manifest["dtype"])
     ws = [flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
     layout = IoLayout.for_shapes([(n, k) for _, n, k in manifest["products"]], manifest["max_rows"], dtype.itemsize)
+    if served:
+        served.split_products = len(ws)
     t0 = time.perf_counter()
     kernel, rates, pack_s = choose_kernel(ws, kernel_choice())
     measured = {"kernel": kernel, "products_gbs": rates[kernel], "kernels_gbs": rates, "pack_s": round(pack_s, 2),
@@ -346,7 +349,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 
 
 def serve_metrics(port: int, served: Served) -> None:
-    from prometheus_client import start_http_server
+    from prometheus_client import Gauge, start_http_server
 
     from .stage_metrics import StageMetrics, stage_labels
     m = StageMetrics(stage_labels())
@@ -364,6 +367,9 @@ def serve_metrics(port: int, served: Served) -> None:
          lambda: served.busy_s)), by_label=(
         ("hybrid_coproc_step_busy_seconds", "Time computing products, by the step's tokens", "rows", by_rows(0)),
         ("hybrid_coproc_step_products", "Products computed, by the step's tokens", "rows", by_rows(1)))))
+    Gauge("hybrid_coproc_split_products", "Products in one split step, each computed once a step (the CPU's time per "
+          "step: its time per product times this)", list(m.labels), registry=m.registry).labels(
+        **m.labels).set_function(lambda: served.split_products)
     start_http_server(port, registry=m.registry)
 
 

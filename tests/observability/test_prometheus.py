@@ -470,7 +470,7 @@ def test_pipeline_panels_mean_what_they_say(prom, traffic):
 
 def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
     """The product and expert servers' row, each panel with its server's pipeline picked, against what the test
-    drives: both busy part of the time, the cpu's time per product for each step size driven, the expert server's
+    drives: both busy part of the time, the cpu's time per split step for each step size driven, the expert server's
     remote share 1/2, the main stage's BETWEEN_S between two MoE layers, the product server's start figures."""
     board = {p["title"]: p for p in json.loads((CHART / "dashboards" / "pipeline.json").read_text())["panels"]}
 
@@ -485,9 +485,12 @@ def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
     busy, rates, between = ("CPU server busy (share of wall time)", "Products/s, MoE layer steps/s",
                             "Experts: time between MoE layers vs. CPU time per layer")
     assert 0 < one(busy, 0, "coproc") < 1 and 0 < one(busy, 1, "experts") < 1
-    per_product = {r["metric"]["rows"]: float(r["value"][1])
-                   for r in run("CPU time per product by step size (coprocessor)", 0, "coproc")}
-    assert set(per_product) == {str(rows) for rows in COPROC_ROWS} and all(0 < v < 0.1 for v in per_product.values())
+    per_step = {r["metric"]["rows"]: float(r["value"][1])
+                for r in run("CPU time per split step by step size (coprocessor)", 0, "coproc")}
+    assert set(per_step) == {str(rows) for rows in COPROC_ROWS} and all(0 < v < 0.1 for v in per_step.values())
+    # a step: every product once (the driver's steps), as the server counts them from its session's manifest
+    (split,) = prom.query(f'hybrid_coproc_split_products{{pipeline="{SERVERS["coproc"]}"}}')
+    assert float(split["value"][1]) == len(COPROC_PRODUCTS)
     products, steps, reads = one(rates, 0, "coproc"), one(rates, 1, "experts"), one(rates, 2, "experts")
     assert products > 0 and 0 < steps <= reads <= 3 * steps  # 1-3 of a layer's remote experts have tokens
     assert abs(one("Experts: remote share of routed token-expert pairs", 0, "experts") - 0.5) < 0.02

@@ -85,8 +85,8 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
         assert 'hybrid_coproc_step_busy_seconds_total{pipeline="local",replica="0",rows="8"' in metrics
         # running totals, typed as such (rate() and increase() in PromQL; a gauge would say it may go down)
         assert set(re.findall(r"^# TYPE (hybrid_coproc_\w+) (\w+)$", metrics, re.M)) == {
-            (f"hybrid_coproc_{name}_total", "counter") for name in ("products", "busy_seconds", "step_products",
-                                                               "step_busy_seconds")}
+            *((f"hybrid_coproc_{name}_total", "counter") for name in ("products", "busy_seconds", "step_products",
+                                                                "step_busy_seconds")), ("hybrid_coproc_split_products", "gauge")}
         # the bench reads them by these names (a renamed metric would read as 0 there, not fail)
         bench, url = bench_script("gpu_bench"), f"http://127.0.0.1:{port}/metrics"
         assert bench.forward_totals([url])[0][-1] == calls
@@ -94,6 +94,7 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
             1: 2 * len(SHAPES), 8: len(SHAPES), 3: len(SHAPES)}
         assert 'hybrid_stage_measured{figure="cpu_products_gbs_160x64_rows_1"' in metrics
         assert 'hybrid_stage_measured{figure="dram_read_gbs"' in metrics
+        assert f'hybrid_coproc_split_products{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {len(SHAPES)}.0' in metrics
         session.sock.close()  # the GPU stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
