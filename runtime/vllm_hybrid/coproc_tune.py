@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .coproc import SGL_MIN_ROWS, rows_of, shape_key, share_for
+
 STEP = 0.08       # the factors tried: 1, 1 +- STEP, 1 +- 2 STEP, ... while the pass gets faster
 LOW, HIGH = 0.5, 1.8  # the factors' range
 REPS = 3          # passes timed per setting, the fastest kept (a pass is 70-130 ms; single ones spread 10%)
@@ -62,11 +64,15 @@ class Tuned:
     again: dict[int, dict[float, float]] = field(default_factory=dict)  # the search's pick and x1, timed once more
     cpu_only_ms: dict[int, float] = field(default_factory=dict)  # step size -> the pass with the CPU on every row
     cpu_only: set[int] = field(default_factory=set)  # step sizes kept so (share 0: nothing copied)
+    same_as: dict[int, int] = field(default_factory=dict)  # step size -> the one whose tuning it takes (the same work)
     seconds: float = 0.0
 
     def summary(self) -> str:
         parts = []
-        for rows in sorted(self.tried):
+        for rows in sorted({*self.tried, *self.same_as}):
+            if rows in self.same_as:
+                parts.append(f"{rows} rows: as {self.same_as[rows]} (the same pass: both computed as {SGL_MIN_ROWS})")
+                continue
             again = "".join(f"; again x{f:g} {ms:.1f}" for f, ms in self.again.get(rows, {}).items())
             kept = (f"x{self.factors[rows]:g}, {self.pass_ms[rows]:.1f} ms (x1: {self.tried[rows][1.0]:.1f}{again})"
                     if rows in self.factors else "not split")
@@ -151,7 +157,6 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
     """Scale each step size's measured shares by the fastest pass's factor (smallest step first; where streaming every
     row is faster, that size and all larger ones stream). `timer(rows, n0s)`: ms of a pass (default: Passes' on this
     GPU). Sets the client's tables; returns what was timed."""
-    from .coproc import rows_of, shape_key, share_for
     t0 = time.perf_counter()
     timer = timer or Passes(client, depth).ms
     out = Tuned()
@@ -190,7 +195,20 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
     # streaming every row is copy-bound at every step size the split serves (127-128 ms at 1-64 rows on the H100 and
     # H200 boxes): timed once, at the smallest, its fastest (a split must beat the best that streaming does)
     out.stream_ms = timer(sizes[0], every_row) if sizes else 0.0
+    # sgl5 computes every step under SGL_MIN_ROWS as SGL_MIN_ROWS rows and the copy moves the same rows either way: those
+    # sizes' passes are the same work, tuned once at the smallest (two searches over it picked x1 at 1 row and x1.16 at
+    # 4 on one drifting H100 box, and 4 tokens then decoded 6% slower than 1)
+    padded = [r for r in sizes if r < SGL_MIN_ROWS] if client.measured.get("kernel") == "sgl5" else []
     for rows in sizes:
+        if padded and rows != padded[0] and rows in padded:
+            first = out.same_as[rows] = padded[0]
+            if first in out.cpu_only:
+                out.cpu_only.add(rows)
+            out.factors[rows], out.pass_ms[rows] = out.factors[first], out.pass_ms[first]
+            for keep, s in zip(kept, shares(rows, 0.0 if first in out.cpu_only else out.factors[first])):
+                if s is not None:
+                    keep.append((rows, round(s, 3)))
+            continue
         factor, tried = search(lambda f: timer(rows, n0s(rows, f)))
         out.tried[rows] = tried
         if factor != 1.0:

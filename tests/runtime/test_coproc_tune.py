@@ -171,3 +171,23 @@ def test_a_cpu_only_pass_that_streaming_still_beats_is_not_kept():
     assert 4 in tuned.cpu_only_ms and tuned.cpu_only_ms[4] > tuned.stream_ms
     assert 4 not in tuned.cpu_only and 4 not in tuned.factors and client.n0(0, 4) is None and client.n0(0, 1) > 0
     assert "4 rows: not split (CPU only" in tuned.summary()
+
+
+def test_steps_sgl5_computes_alike_are_tuned_once():
+    """sgl5 computes steps of 1-4 rows as 5 and the copy moves the same rows: the search at one row stands for four
+    (two searches over the same work can pick two factors on a drifting box); torch's GEMM tunes each size."""
+    for kernel, searched in (("sgl5", [1, 16]), ("torch", [1, 4, 16])):
+        client = split_client({1: 50.0, 4: 50.0, 16: 50.0}, layers=2)
+        client.measured["kernel"] = kernel
+        model, timed = node(client.products, 45.0, {1: 30.0, 4: 20.0, 16: 20.0}), set()
+
+        def timer(rows, n0s):
+            timed.add(rows)
+            return model(rows, n0s)
+        tuned = coproc_tune.tune(client, 1, timer)
+        assert sorted(timed) == searched, kernel
+        if kernel == "sgl5":
+            assert tuned.same_as == {4: 1} and tuned.factors[4] == tuned.factors[1] > 1.0
+            assert client.n0(1, 4) == client.n0(1, 1) and "4 rows: as 1 (the same pass" in tuned.summary()
+        else:  # the CPU slower at 4 rows in this model: more of them to the GPU
+            assert tuned.same_as == {} and tuned.factors[4] > tuned.factors[1]
