@@ -191,24 +191,8 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
         again, split = timer(rows, none), timer(rows, n0s(rows, factor))
         return min(first, again) if again < split * (1 - MIN_GAIN) else None
 
-    sizes = sorted({b for table in base for b, _ in table})
-    # streaming every row is copy-bound at every step size the split serves (127-128 ms at 1-64 rows on the H100 and
-    # H200 boxes): timed once, at the smallest, its fastest (a split must beat the best that streaming does)
-    out.stream_ms = timer(sizes[0], every_row) if sizes else 0.0
-    # sgl5 computes every step under SGL_MIN_ROWS as SGL_MIN_ROWS rows and the copy moves the same rows either way: those
-    # sizes' passes are the same work, tuned once at the smallest (two searches over it picked x1 at 1 row and x1.16 at
-    # 4 on one drifting H100 box, and 4 tokens then decoded 6% slower than 1)
-    padded = [r for r in sizes if r < SGL_MIN_ROWS] if client.measured.get("kernel") == "sgl5" else []
-    for rows in sizes:
-        if padded and rows != padded[0] and rows in padded:
-            first = out.same_as[rows] = padded[0]
-            if first in out.cpu_only:
-                out.cpu_only.add(rows)
-            out.factors[rows], out.pass_ms[rows] = out.factors[first], out.pass_ms[first]
-            for keep, s in zip(kept, shares(rows, 0.0 if first in out.cpu_only else out.factors[first])):
-                if s is not None:
-                    keep.append((rows, round(s, 3)))
-            continue
+    def searched(rows: int) -> tuple[float, float, bool]:
+        """The factor for this step size, its pass (ms) and whether the CPU alone (share 0) beat it."""
         factor, tried = search(lambda f: timer(rows, n0s(rows, f)))
         out.tried[rows] = tried
         if factor != 1.0:
@@ -219,15 +203,30 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
             if again[factor] > again[1.0] * (1 - MIN_GAIN):
                 factor = 1.0
         best_ms = min(tried[factor], out.again.get(rows, {}).get(factor, tried[factor]))
-        scale = factor
-        if (alone := cpu_only(rows, factor, best_ms)) is not None:
-            scale, best_ms = 0.0, alone
+        alone = cpu_only(rows, factor, best_ms)
+        return factor, best_ms if alone is None else alone, alone is not None
+
+    sizes = sorted({b for table in base for b, _ in table})
+    # streaming every row is copy-bound at every step size the split serves (127-128 ms at 1-64 rows on the H100 and
+    # H200 boxes): timed once, at the smallest, its fastest (a split must beat the best that streaming does)
+    out.stream_ms = timer(sizes[0], every_row) if sizes else 0.0
+    # sgl5 computes every step under SGL_MIN_ROWS as SGL_MIN_ROWS rows and the copy moves the same rows either way: those
+    # sizes' passes are the same work, tuned once at the smallest (two searches over it picked x1 at 1 row and x1.16 at
+    # 4 on one drifting H100 box, and 4 tokens then decoded 6% slower than 1)
+    padded = [r for r in sizes if r < SGL_MIN_ROWS] if client.measured.get("kernel") == "sgl5" else []
+    same_pass = {rows: padded[0] for rows in padded[1:]}
+    for rows in sizes:
+        if rows in same_pass:
+            first = out.same_as[rows] = same_pass[rows]
+            factor, best_ms, alone = out.factors[first], out.pass_ms[first], first in out.cpu_only
+        else:
+            factor, best_ms, alone = searched(rows)
         if best_ms >= out.stream_ms:
             break  # streaming wins here: this size and all larger ones stream every row
-        if alone is not None:
+        if alone:
             out.cpu_only.add(rows)
         out.factors[rows], out.pass_ms[rows] = factor, best_ms
-        for keep, s in zip(kept, shares(rows, scale)):
+        for keep, s in zip(kept, shares(rows, 0.0 if alone else factor)):
             if s is not None:
                 keep.append((rows, round(s, 3)))
     for p, table in zip(client.products, kept):
