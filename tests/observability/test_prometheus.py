@@ -471,7 +471,7 @@ def test_pipeline_panels_mean_what_they_say(prom, traffic):
 def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
     """The product and expert servers' row, each panel with its server's pipeline picked, against what the test
     drives: both busy part of the time, the cpu's time per split step for each step size driven, the expert server's
-    remote share 1/2, the main stage's BETWEEN_S between two MoE layers, the product server's start figures."""
+    remote share 1/2, the main stage's BETWEEN_S between two MoE layers, both servers' start figures."""
     board = {p["title"]: p for p in json.loads((CHART / "dashboards" / "pipeline.json").read_text())["panels"]}
 
     def run(title, i, module):
@@ -500,6 +500,10 @@ def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
     assert set(measured) == {"dram_read_gbs", *(f"cpu_products_gbs_{n}x{k}_rows_{t}" for n, k in COPROC_PRODUCTS
                                                 for t in coproc.MEASURE_ROWS)}, measured
     assert all(v > 0 for v in measured.values())
+    # the expert server's kernel is forced (torch): its DRAM read, no kernel timings
+    moe_measured = {r["metric"]["figure"]: float(r["value"][1])
+                    for r in run("Measured at start (hybrid_stage_measured)", 0, "experts")}
+    assert set(moe_measured) == {"dram_read_gbs"} and moe_measured["dram_read_gbs"] > 0, moe_measured
 
 
 def test_service_and_operator_panels_mean_what_they_say(prom, traffic):

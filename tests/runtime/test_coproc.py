@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import torch
 from cpu_servers import bench_script, coproc_session, gpu_play, start_server
-from vllm_hybrid import coproc, hostmem, packed
+from vllm_hybrid import coproc, cpu_server, hostmem, packed
 from vllm_hybrid.gemm_split import recv_msg, send_msg
 from vllm_hybrid.local import free_port
 
@@ -206,7 +206,7 @@ def test_the_cpu_pod_measures_its_products_and_dram_within_its_time_windows():
     rates = coproc.measure_products(ws, rows=(1, 4), seconds=0.02)
     assert time.monotonic() - t0 < 5.0  # four windows of 0.02 s (and a loaded machine's stalls), not a fixed count
     assert set(rates) == {"256x64", "64x256"} and all(set(by) == {1, 4} and min(by.values()) > 0 for by in rates.values())
-    assert coproc.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
+    assert cpu_server.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
 
 
 def test_steps_padded_to_the_same_rows_are_timed_once():

@@ -220,10 +220,12 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
     assert proc.returncode == 0, out
     assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
     assert f"with {kernel}" in out if choice != "auto" else "kernels measured on layer 2's 3 experts" in out
-    # what it measured at start is on its metrics too, one figure per kernel and step (none measured unless auto)
+    # what it measured at start is on its metrics too: the DRAM read always, one figure per kernel and step if auto
     figures = {f"experts_kernel_gbs_{name}_rows_{rows}" for name in ("torch", *experts.PACKED_KERNELS)
                for rows in (1, experts.BATCH_ROWS)}
-    assert set(measured) == (figures if choice == "auto" else set()) and all(v > 0 for v in measured.values())
+    assert set(measured) == {"dram_read_gbs", *(figures if choice == "auto" else ())}
+    assert all(v > 0 for v in measured.values())
+    assert re.search(r"DRAM read [0-9.]+ GB/s", out)
 
 
 def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
