@@ -169,7 +169,8 @@ def cmd_serve(args) -> int:
     if ready:  # vLLM starts once the sidecar is ready (the GEMM helper listens once it has its GPU memory)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready)  # a previous run's
-    return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir) if os.path.isdir(shm_dir) else None,
+    sweep = env.get("HYBRID_SHM_SWEEP")  # local pipelines: also what other hard-killed local ones left
+    return run_supervised(argv, env, beat, ShmJanitor(state, shm_dir, sweep) if os.path.isdir(shm_dir) else None,
                           sidecar=sidecar, stall=stall, sidecar_ready=ready)
 
 

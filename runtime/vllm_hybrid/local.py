@@ -73,7 +73,10 @@ class LocalPipeline:
                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
                "HYBRID_METRICS_PORT": str(self.metrics_ports[stage]),
                # distinct per local pipeline: names its /dev/shm bookkeeping and its metrics
-               "HYBRID_INSTANCE": f"local-{self.plan['api_port']}", **self.stage_envs[stage]}
+               "HYBRID_INSTANCE": f"local-{self.plan['api_port']}",
+               # a port names each local pipeline, so a hard-killed one's own next start rarely comes: the next
+               # local pipeline's stages clear what it left (supervise.ShmJanitor.sweep)
+               "HYBRID_SHM_SWEEP": ".hybrid-local-", **self.stage_envs[stage]}
         out = open(self.workdir / f"stage-{stage}.log", "ab")
         cmd = [env.get("HYBRID_LAUNCHER_PYTHON", sys.executable), "-m", "vllm_hybrid.cli", "serve",
                "--plan", str(self.plan_path), "--stage", str(stage)]

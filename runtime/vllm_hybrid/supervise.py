@@ -196,9 +196,40 @@ class ShmJanitor:
     file beside them) and unlinks it when the stage ends, or at the next start after a hard kill.
     """
 
-    def __init__(self, state: str, shm_dir: str = "/dev/shm"):
+    def __init__(self, state: str, shm_dir: str = "/dev/shm", sweep: str | None = None):
         self.state, self.dir, self.owned = state, shm_dir, set()
         self.journal = state + ".journal"  # names vLLM's processes write as they create them (patches.py)
+        self.owner = state + ".owner"  # this launcher's pid and pid namespace, while it runs
+        # other instances' bookkeeping with this prefix whose launcher is gone is ours to clear (local runs: a
+        # random port names each, so a hard-killed one's next start, which would clear it, never comes)
+        self.sweep_prefix = sweep
+
+    def claim(self) -> None:
+        with open(self.owner, "w") as f:
+            f.write(f"{os.getpid()} {_pid_namespace()}\n")
+
+    def sweep(self) -> list[str]:
+        """Clear what launchers of other instances (names starting with sweep_prefix) left when they were killed
+        hard: their owner file names a pid of this pid namespace that no longer runs."""
+        removed = []
+        own = os.path.basename(self.state).rsplit("-r", 1)[0] + "-r"  # this instance's stages: their own restarts
+        for entry in sorted(os.listdir(self.dir)) if self.sweep_prefix else ():
+            path = os.path.join(self.dir, entry)
+            if not (entry.startswith(self.sweep_prefix) and entry.endswith(".owner")) or entry.startswith(own):
+                continue
+            try:
+                pid, ns = open(path).read().split()
+            except (OSError, ValueError):
+                continue
+            if ns != _pid_namespace() or _alive(int(pid)):
+                continue
+            other = ShmJanitor(path[:-len(".owner")], self.dir)
+            removed += other.cleanup_previous()
+            other._forget()  # the names still mapped by its dying processes, if any, go with our own at our end
+            self._own(set(other.owned))
+            with contextlib.suppress(OSError):
+                os.unlink(other.state[:-len(".json")] + ".progress")  # its stall watch's record
+        return removed
 
     def record(self, pids) -> None:
         self._own(shm_in_use(pids) - {os.path.basename(self.state), os.path.basename(self.journal)})
@@ -253,9 +284,26 @@ class ShmJanitor:
         self._forget()
 
     def _forget(self) -> None:
-        for path in (self.state, self.journal):
+        for path in (self.state, self.journal, self.owner):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def group_members(pgid: int) -> dict[int, bool]:
@@ -404,6 +452,10 @@ def run_supervised(argv: list[str], env: dict[str, str] | None, heartbeat: Heart
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     if janitor and (removed := janitor.cleanup_previous()):
         log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
+    if janitor and (removed := janitor.sweep()):
+        log.info("removed %d /dev/shm entries left by hard-killed local pipelines", len(removed))
+    if janitor:
+        janitor.claim()
     if stall:
         stall.create()
     side = sidecar and subprocess.Popen(sidecar, env=env, start_new_session=True, preexec_fn=_die_with_parent)

@@ -155,3 +155,48 @@ def test_an_oom_killed_worker_is_the_stage_s_own_cause_even_while_vllm_runs(tmp_
         assert "peer lost (stage 1 closed its heartbeat)" in head.stderr.read()
     finally:
         kill_all(head, tail)
+
+
+def test_a_local_pipeline_clears_what_a_hard_killed_one_left(tmp_path):
+    """A SIGKILLed local launcher (its instance named by a port, so its own next start rarely comes) leaves its
+    segments and bookkeeping; the next local stage's launcher clears them, and nothing of a live launcher's, one
+    of another pid namespace (another pod) or one without the sweep's prefix."""
+    from vllm_hybrid.supervise import ShmJanitor
+
+    def instance(name, owner, segment):
+        (tmp_path / f".hybrid-{name}-r0-s0.json.owner").write_text(owner)
+        (tmp_path / f".hybrid-{name}-r0-s0.json.journal").write_text(segment + "\n")
+        (tmp_path / segment).write_text("")
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ns = os.readlink("/proc/self/ns/pid")
+    instance("local-2222", f"{os.getpid()} {ns}", "seg-live")
+    instance("local-4444", f"{dead.stdout.strip()} pid:[1]", "seg-other-pod")
+    instance("llm", f"{dead.stdout.strip()} {ns}", "seg-not-local")
+    state = tmp_path / ".hybrid-local-1111-r0-s1.json"
+    child = [sys.executable, "-c", "import os, sys, time\n"
+             "open(os.environ['HYBRID_SHM_JOURNAL'], 'a').write('seg-killed\\n')\n"
+             f"open({str(tmp_path / 'seg-killed')!r}, 'w').close()\n"
+             "print(os.getpid(), flush=True)\ntime.sleep(600)\n"]
+    code = ("import sys\nfrom vllm_hybrid.supervise import ShmJanitor, run_supervised\n"
+            f"sys.exit(run_supervised({child!r}, None, None, ShmJanitor({str(state)!r}, {str(tmp_path)!r}, "
+            "'.hybrid-local-')))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "seg-killed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open(f"{state}.owner").read().split() == [str(proc.pid), ns]  # claimed while it runs
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = {".hybrid-local-1111-r0-s1.json.owner", ".hybrid-local-1111-r0-s1.json.journal", "seg-killed"}
+    assert left <= set(os.listdir(tmp_path))
+    assert ShmJanitor(str(tmp_path / ".hybrid-local-3333-r0-s0.json"), str(tmp_path)).sweep() == []  # no prefix
+    # a later stage of the killed instance's own pipeline leaves it to that stage's own restart
+    assert ShmJanitor(str(tmp_path / ".hybrid-local-1111-r0-s0.json"), str(tmp_path), ".hybrid-local-").sweep() == []
+    before = set(os.listdir(tmp_path))
+    janitor = ShmJanitor(str(tmp_path / ".hybrid-local-3333-r0-s0.json"), str(tmp_path), ".hybrid-local-")
+    deadline = time.monotonic() + 10  # the child dies with its launcher (PDEATHSIG): until then its file is busy
+    while not (removed := janitor.sweep()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert removed == ["seg-killed"]
+    assert set(os.listdir(tmp_path)) == before - left
