@@ -297,13 +297,11 @@ def _pid_namespace() -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Running, not a zombie: a killed launcher whose parent has not reaped it yet is gone too."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def group_members(pgid: int) -> dict[int, bool]:

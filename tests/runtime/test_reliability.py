@@ -269,6 +269,36 @@ def test_stalls_restart_the_pipeline(pipe):
     assert all(r["stages_exited_s"] < STALL_TIMEOUT + 20 for r in hung), hung
 
 
+def test_the_next_local_pipeline_clears_what_a_hard_killed_one_left(pipe, tiny_llama, tmp_path):
+    """The whole local pipeline killed hard (a closed session, kill -9): its port-named instance never starts
+    again to clear its /dev/shm, so the next local pipeline's stages do, before their vLLM starts."""
+    if not pipe.healthy():
+        pipe.start()
+        pipe.wait_ready()
+    pids = set().union(*(process_tree(p.pid) for p in pipe.procs))
+    for p in pipe.procs:
+        os.killpg(p.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(pids)
+    time.sleep(2)  # as in the rounds: the resource trackers unlink what they can
+    prefix = f".hybrid-local-{pipe.plan['api_port']}-"
+    books = {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    left = unmapped_shm()
+    assert {n for n in books if n.endswith(".owner")} == {f"{prefix}r0-s{i}.json.owner" for i in range(len(pipe.procs))}
+    nxt = LocalPipeline(plan_for(tiny_llama, max_model_len=2048, **local_ports()), tmp_path, CPU_ENVS)
+    try:
+        nxt.start()
+        nxt.wait_ready()
+        REPORT["hard_killed_pipeline"] = {"shm_left": len(left), "bookkeeping_left": len(books),
+                                          "after_the_next_start": len((left | books) & set(os.listdir("/dev/shm")))}
+        assert not (left | books) & set(os.listdir("/dev/shm")), REPORT["hard_killed_pipeline"]
+        assert "left by hard-killed local pipelines" in nxt.log(0) + nxt.log(1)
+    finally:
+        nxt.stop()
+
+
 def test_nothing_left_behind(pipe):
     """After the last (clean) stop, no process of ours and no unmapped /dev/shm entry is left."""
     pids = set().union(*(process_tree(p.pid) for p in pipe.procs))
