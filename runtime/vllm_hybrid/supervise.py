@@ -221,7 +221,7 @@ class ShmJanitor:
                 pid, ns = open(path).read().split()
             except (OSError, ValueError):
                 continue
-            if ns != _pid_namespace() or _alive(int(pid)):
+            if ns != _pid_namespace() or ns == "unknown" or _alive(int(pid)):  # without /proc: nothing is known
                 continue
             other = ShmJanitor(path[:-len(".owner")], self.dir)
             removed += other.cleanup_previous()
