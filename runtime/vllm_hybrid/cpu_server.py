@@ -62,15 +62,23 @@ def window_gbs(step: Callable[[int], int], seconds: float) -> float:
     return float(f"{done / elapsed / 1e9:.3g}")  # 3 digits: a tiny test's rate is not 0.0
 
 
-def wait_request(words, stop: Callable[[], bool], idle_check: float = 0.5) -> int:
-    """Spin on the request word (words[0]) until it is non-zero; 0 once `stop()` turns true (asked while idle)."""
-    spins, since = 0, time.monotonic()
+NAP_AFTER_S = 1.0  # idle this long (no step in flight: a decode step's products come within ms of each other)
+NAP_S = 0.0002  # then poll every 0.2 ms instead of spinning: an idle pipeline's cpu pod leaves its core alone
+
+
+def wait_request(words, stop: Callable[[], bool], idle_check: float = 0.5, nap_after: float = NAP_AFTER_S) -> int:
+    """Spin on the request word (words[0]) until it is non-zero, napping between polls once idle for `nap_after`
+    (the first product after that waits up to a nap longer); 0 once `stop()` turns true (asked while idle)."""
+    spins, start = 0, time.monotonic()
+    since, napping = start, False
     while (word := int(words[0])) == 0:
         spins += 1
-        if spins % 4096 == 0 and time.monotonic() - since > idle_check:
+        if napping:
+            time.sleep(NAP_S)
+        if spins % 4096 == 0 and (now := time.monotonic()) - since > idle_check:
             if stop():
                 return 0
-            since = time.monotonic()
+            since, napping = now, now - start > nap_after
     return word
 
 

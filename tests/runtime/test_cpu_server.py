@@ -1,0 +1,40 @@
+"""The CPU pods' servers' shared loop (cpu_server.wait_request): spin while a step is in flight, nap once idle."""
+import threading
+import time
+
+import torch
+from vllm_hybrid.cpu_server import wait_request
+
+
+def waited(words, idle_s: float, **kw) -> dict:
+    """wait_request in a thread, the request word raised after idle_s: its result, CPU and wall time, and how long
+    after the raise it returned."""
+    got = {}
+
+    def waiter():
+        cpu, wall = time.thread_time(), time.monotonic()
+        got["word"] = wait_request(words, lambda: False, idle_check=0.05, **kw)
+        got["returned"] = time.monotonic()
+        got["cpu"], got["wall"] = time.thread_time() - cpu, got["returned"] - wall
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(idle_s)
+    raised = time.monotonic()
+    words[0] = 7
+    t.join(10)
+    assert not t.is_alive()
+    return {**got, "answer_s": got["returned"] - raised}
+
+
+def test_an_idle_server_naps_and_still_answers_at_once():
+    got = waited(torch.zeros(4, dtype=torch.int64), 1.5, nap_after=0.1)
+    assert got["word"] == 7
+    assert got["cpu"] < 0.5 * got["wall"], got  # it spun about 0.15 s of the 1.5, then napped
+    assert got["answer_s"] < 0.05, got  # a nap is 0.2 ms
+
+
+def test_a_server_between_products_keeps_spinning():
+    got = waited(torch.zeros(4, dtype=torch.int64), 0.5, nap_after=10.0)  # idle less than nap_after: no nap
+    assert got["word"] == 7
+    assert got["cpu"] > 0.3 * got["wall"], got
