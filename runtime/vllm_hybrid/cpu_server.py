@@ -62,6 +62,19 @@ def window_gbs(step: Callable[[int], int], seconds: float) -> float:
     return float(f"{done / elapsed / 1e9:.3g}")  # 3 digits: a tiny test's rate is not 0.0
 
 
+def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
+    """GB/s this process's threads read the region at (a max over up to `nbytes` of its bytes: vectorized and
+    parallel in ATen, where an int32 sum ran at 5 GB/s on the H100 box's 14 threads)."""
+    view = flat[:min(nbytes, flat.numel())]
+    view[: 1 << 20].max()
+    best = math.inf
+    for _ in range(3):  # the best of three: one pass read 57-96 GB/s on one H100 box
+        t0 = time.perf_counter()
+        view.max()
+        best = min(best, time.perf_counter() - t0)
+    return float(f"{view.numel() / best / 1e9:.3g}")
+
+
 NAP_AFTER_S = 1.0  # idle this long (no step in flight: a decode step's products come within ms of each other)
 NAP_S = 0.0002  # then poll every 0.2 ms instead of spinning: an idle pipeline's cpu pod leaves its core alone
 
@@ -182,16 +195,3 @@ def serve_one_session(prog: str, description: str, argv: list[str] | None,
     conn, _ = srv.accept()
     with conn:
         handle(conn, args.pages)
-
-
-def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
-    """GB/s this process's threads read the region at (a max over up to `nbytes` of its bytes: vectorized and
-    parallel in ATen, where an int32 sum ran at 5 GB/s on the H100 box's 14 threads)."""
-    view = flat[:min(nbytes, flat.numel())]
-    view[: 1 << 20].max()
-    best = math.inf
-    for _ in range(3):  # the best of three: one pass read 57-96 GB/s on one H100 box
-        t0 = time.perf_counter()
-        view.max()
-        best = min(best, time.perf_counter() - t0)
-    return float(f"{view.numel() / best / 1e9:.3g}")

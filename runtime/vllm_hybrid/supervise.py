@@ -199,7 +199,7 @@ class ShmJanitor:
     def __init__(self, state: str, shm_dir: str = "/dev/shm", sweep: str | None = None):
         self.state, self.dir, self.owned = state, shm_dir, set()
         self.journal = state + ".journal"  # names vLLM's processes write as they create them (patches.py)
-        self.owner = state + ".owner"  # this launcher's pid and pid namespace, while it runs
+        self.owner = state + ".owner"  # this launcher's pid and pid namespace, while it runs (where it sweeps)
         # other instances' bookkeeping with this prefix whose launcher is gone is ours to clear (local runs: a
         # random port names each, so a hard-killed one's next start, which would clear it, never comes)
         self.sweep_prefix = sweep
@@ -448,12 +448,13 @@ def run_supervised(argv: list[str], env: dict[str, str] | None, heartbeat: Heart
     if janitor:
         env["HYBRID_SHM_JOURNAL"] = janitor.journal
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    if janitor and (removed := janitor.cleanup_previous()):
-        log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
-    if janitor and (removed := janitor.sweep()):
-        log.info("removed %d /dev/shm entries left by hard-killed local pipelines", len(removed))
     if janitor:
-        janitor.claim()
+        if removed := janitor.cleanup_previous():
+            log.info("removed %d /dev/shm entries left by this stage's previous run", len(removed))
+        if janitor.sweep_prefix:  # only sweeps read owner files: an instance that sweeps can be swept
+            if removed := janitor.sweep():
+                log.info("removed %d /dev/shm entries left by hard-killed local pipelines", len(removed))
+            janitor.claim()
     if stall:
         stall.create()
     side = sidecar and subprocess.Popen(sidecar, env=env, start_new_session=True, preexec_fn=_die_with_parent)
