@@ -5,14 +5,18 @@
 # second build redoes only what changed.
 #   scripts/images.sh [NAME...]          default: operator runtime-cpu runtime-gpu
 # Env (what differs between sites):
-#   IMAGE_PREFIX (hybrid-inference/)  IMAGE_TAG (dev)  IMAGE_BUILDER (docker | podman | buildah)
+#   IMAGE_PREFIX (localhost/hybrid-inference/: fully qualified, so a short name cannot resolve to another
+#                 registry's image of the same name)  IMAGE_TAG (dev)  IMAGE_BUILDER (docker | podman | buildah)
 #   TORCH_INDEX   runtime-cpu's PyTorch index; when unset and the Dockerfile's CPU index cannot be reached,
 #                 PyPI (its torch is the CUDA build: it runs on CPU, the image is larger)
 #   PIP_CERT / SSL_CERT_FILE   a site CA bundle: mounted into the build where pip and apt look for it
 #   IMAGE_BUILD_OPTS           anything else for the builder, e.g. "--pull=never"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PREFIX=${IMAGE_PREFIX:-hybrid-inference/}
+PREFIX=${IMAGE_PREFIX:-localhost/hybrid-inference/}
+# a first component without a registry host ("team/") would resolve by the builder's search list: qualify it
+first=${PREFIX%%/*}
+case $first in *.*|*:*|localhost) ;; *) PREFIX=localhost/$PREFIX ;; esac
 TAG=${IMAGE_TAG:-dev}
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(operator runtime-cpu runtime-gpu)
@@ -46,12 +50,22 @@ torch_index() {
        echo "https://pypi.org/simple"; fi
 }
 
+image_size() {
+  case $builder in
+    buildah) buildah images --noheading --format '{{.Size}}' "$1" | head -1 ;;
+    *) "$builder" image inspect --format '{{.Size}}' "$1" | awk '{printf "%.0f MB", $1 / 1e6}' ;;
+  esac
+}
+
 for name in "${NAMES[@]}"; do
   [ -f "images/$name/Dockerfile" ] || { echo "images: no images/$name/Dockerfile" >&2; exit 1; }
   args=()
   [ "$name" = runtime-cpu ] && args+=(--build-arg "TORCH_INDEX=$(torch_index)")
   ref="$PREFIX$name:$TAG"
   t0=$(date +%s)
-  "${build[@]}" "${opts[@]}" "${args[@]}" -f "images/$name/Dockerfile" -t "$ref" .
-  echo "images: $ref built by $builder in $(( $(date +%s) - t0 )) s, $("$builder" images --format '{{.Size}}' "$ref" | head -1)"
+  iid=$(mktemp)
+  "${build[@]}" "${opts[@]}" "${args[@]}" --iidfile "$iid" -f "images/$name/Dockerfile" -t "$ref" .
+  id=$(cat "$iid"); id=${id#sha256:}; rm -f "$iid"
+  # what was built is read by its ID, never by a name another image may also answer to
+  echo "images: $ref $id built by $builder in $(( $(date +%s) - t0 )) s, $(image_size "$id")"
 done

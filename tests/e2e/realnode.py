@@ -99,18 +99,21 @@ class RealNode:
             # layers built now stay valid (the image as first built has another ID)
             run(["bash", str(NODE_SCRIPTS / "base-image.sh"), str(base)], timeout=900)
         log = run(["bash", str(ROOT / "scripts" / "images.sh"), name],
-                  {**os.environ, "IMAGE_PREFIX": IMAGE_PREFIX.removeprefix("localhost/"), "IMAGE_TAG": "dev",
+                  {**os.environ, "IMAGE_PREFIX": IMAGE_PREFIX, "IMAGE_TAG": "dev",
                    "IMAGE_BUILDER": "buildah", "IMAGE_BUILD_OPTS": "--pull=never"}, timeout=3000)
         built = time.monotonic() - t0
-        image_id = run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref]).strip()
+        # the build's own line names what it built: its fully qualified name and the image's ID
+        line = [line for line in log.splitlines() if line.startswith("images: ")][-1]
+        printed_ref, image_id = line.split()[1:3]
+        assert printed_ref == ref, line
         have = [line for line in self.ctr("images", "ls").splitlines() if line.startswith(ref + " ")]
         t1 = time.monotonic()
         if not (have and f"{BUILD_LABEL}={image_id}" in have[0]):
             archive = CACHE / f"{name}.tar"
             archive.unlink(missing_ok=True)
-            run(["buildah", "push", "-q", ref, f"docker-archive:{archive}:{ref}"], timeout=1800)
+            run(["buildah", "push", "-q", image_id, f"docker-archive:{archive}:{ref}"], timeout=1800)
             self.ctr("images", "import", str(archive), timeout=1800)
             self.ctr("images", "label", ref, f"{BUILD_LABEL}={image_id}")
             archive.unlink()
-        size = [line for line in log.splitlines() if line.startswith("images: ")][-1]
-        return {"ref": ref, "build_s": round(built, 1), "load_s": round(time.monotonic() - t1, 1), "image": size}
+        return {"ref": ref, "id": image_id, "build_s": round(built, 1), "load_s": round(time.monotonic() - t1, 1),
+                "image": line}
