@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 
 from .plan import PlanError, load_plan
@@ -73,7 +74,6 @@ def build_stage(args, env: dict[str, str]):
         resolved_summary,
         vllm_command,
         vllm_env,
-        which,
     )
     plan = load_plan(args.plan)
     ident = identity_from_env(env, args.stage, args.replica)
@@ -99,13 +99,13 @@ def build_stage(args, env: dict[str, str]):
         if server is None:
             return plan, ident, None, None, None, None, {"stage": ident.stage, "strategy": lay.strategy, "role": "unused"}
         binding = stage_binding(plan, ident, env, reserve=0)  # no engine loop beside it: every core computes
-        argv = numactl_prefix(binding, which("numactl")) + [sys.executable, *server.argv]
+        argv = numactl_prefix(binding, shutil.which("numactl")) + [sys.executable, *server.argv]
         summary = {"stage": ident.stage, "name": plan.stages[ident.stage].name, "strategy": lay.strategy,
                    **server.summary, "cpus": binding_cpus(binding), "numa_node": binding.numa_node}
         return plan, ident, argv, server.env(binding, env), None, None, summary
     binding = stage_binding(plan, ident, env)
     rec = resolve_stage(plan, split, ident, env, lay)
-    argv = numactl_prefix(binding, which("numactl")) + vllm_command(plan, rec, ident)
+    argv = numactl_prefix(binding, shutil.which("numactl")) + vllm_command(plan, rec, ident)
     child_env = vllm_env(plan, rec, ident, binding, env)
     summary = resolved_summary(plan, rec, ident, binding, child_env)
     return plan, ident, argv, child_env, helper_command(rec), rec.extras.sidecar_ready, summary

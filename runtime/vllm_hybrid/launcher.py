@@ -239,10 +239,3 @@ def binding_cpus(binding: CpuBinding) -> str:
         return binding.omp_bind
     return f"unpinned: {binding.threads_per_rank} threads over {format_cpulist(binding.all_cpus)}"
 
-
-def which(name: str) -> str | None:
-    for d in os.environ.get("PATH", "").split(os.pathsep):
-        p = Path(d) / name
-        if p.is_file() and os.access(p, os.X_OK):
-            return str(p)
-    return None

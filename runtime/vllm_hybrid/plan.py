@@ -9,28 +9,21 @@ from typing import Any
 
 import yaml
 
+from .quantity import to_bytes
+
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 DEVICES = ("gpu", "cpu")
 OFFLOAD_BACKENDS = ("prefetch", "uva")  # vLLM's two weight offloaders (strategy offload)
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|)$")
-_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-
-
 class PlanError(ValueError):
     """A plan that cannot run; the message names the offending field."""
 
 
 def parse_quantity(value: Any, field_name: str) -> int:
     """Kubernetes memory quantity ("64Gi", "500M") or a plain byte count -> bytes."""
-    if isinstance(value, bool):
-        raise PlanError(f"{field_name}: expected a memory quantity like 64Gi, got {value!r}")
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    m = _QUANTITY.match(str(value).strip())
-    if not m or float(m.group(1)) <= 0:
-        raise PlanError(f"{field_name}: expected a memory quantity like 64Gi, got {value!r}")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2)])
+    try:
+        return to_bytes(value)
+    except ValueError:
+        raise PlanError(f"{field_name}: expected a memory quantity like 64Gi, got {value!r}") from None
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import pytest
 import yaml
 from hi_fixtures import make_body, stages
 from hybrid_operator import names
-from hybrid_operator.quantity import from_bytes, to_bytes
 from hybrid_operator.render import render_children
 from hybrid_operator.settings import MASTER_PORT, SUPERVISOR_PORT, Settings
+from vllm_hybrid.quantity import from_bytes, to_bytes
 
 MATRIX = list(itertools.product(["hostPath", "none"], [1, 2, 3], [1, 2], [0, 1, 2, 3]))
 

@@ -18,7 +18,8 @@ def test_defaults_and_round_trip():
 
 
 @pytest.mark.parametrize("text,value", [("64Gi", 64 * 2**30), ("500M", 500 * 10**6), ("1.5Gi", 3 * 2**29),
-                                        (1024, 1024), ("2048", 2048)])
+                                        (1024, 1024), ("2048", 2048),
+                                        ("1.1Gi", 1181116007)])  # rounded up, as the operator rounds pods
 def test_quantities(text, value):
     assert parse_quantity(text, "x") == value
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from vllm_hybrid.quantity import from_bytes, to_bytes
+
 from .. import names
 from ..plan import MODEL_MOUNT
-from ..quantity import from_bytes, to_bytes
 from ..settings import MASTER_PORT, SUPERVISOR_PORT, Settings
 from ..strategy import offloaded_stages
 
