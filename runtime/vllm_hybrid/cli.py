@@ -138,6 +138,9 @@ def cmd_serve(args) -> int:
         serve_unused(port, labels, summary["strategy"])
         return idle()
     if args.dry_run:
+        from .extra_args import refuse_in_serve_argv
+        if "vllm_hybrid.vllm_entry" in argv:  # what the stage's vLLM process would refuse at its start
+            refuse_in_serve_argv(argv[argv.index("vllm_hybrid.vllm_entry") + 2:], list(plan.extra_args))
         print(" ".join(argv))
         if sidecar:
             print(" ".join(sidecar))

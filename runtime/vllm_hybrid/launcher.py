@@ -1,6 +1,7 @@
 """Turns the pipeline plan + this pod's identity into the vLLM invocation for one stage (pure)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -175,6 +176,8 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
     })
     if rec.stages > 1:  # one batch in flight: micro-batches would make a CPU stage read its weights once each
         env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
+    if plan.extra_args:  # vllm_entry refuses those that would replace what the launcher pins
+        env["HYBRID_EXTRA_ARGS"] = json.dumps(list(plan.extra_args))
     # local runs put several stages on one host: they pass each stage its own metrics port
     env.setdefault("HYBRID_METRICS_PORT", str(plan.metrics_port))
     if ident.host_ip:
