@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 
 from .plan import PlanError, load_plan
@@ -62,6 +63,36 @@ def stage_binding(plan, ident, env, reserve: int | None = None):
         raise PlanError(f"stages[{ident.stage}] ({stage.name}): {e}") from e
 
 
+GPU_MEMORY_CODE = "import torch; print(torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else '')"
+
+
+def visible_gpu_memory(python: str = sys.executable) -> int | None:
+    """Total memory of the first GPU this pod sees, the figure vLLM takes its gpu_memory_utilization of
+    (torch.cuda.mem_get_info), asked in a child process so that this one, vLLM's supervisor, holds no CUDA
+    context; None where there is no GPU to ask."""
+    try:
+        r = subprocess.run([python, "-c", GPU_MEMORY_CODE], capture_output=True, text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    last = (r.stdout.strip().splitlines() or [""])[-1]
+    return int(last) if r.returncode == 0 and last.isdigit() else None
+
+
+def check_this_gpu(plan, shape, stage: int, strategy: str) -> None:
+    """A gpu stage whose plan gives its layers but not its GPU's memory: the planner's fit check against the GPU
+    it runs on, before vLLM loads (its first sign would be a CUDA out-of-memory error)."""
+    from .planner import GiB, check_gpu_fit
+    gpu = visible_gpu_memory()
+    name = plan.stages[stage].name
+    if gpu is None:
+        log.warning("stage %s: no GPU visible to measure: the fit of its %d layers is not checked (give the stage's "
+                    "memory)", name, plan.stages[stage].layers)
+        return
+    sp = check_gpu_fit(plan, shape, stage, gpu, strategy)  # raises the planner's "does not fit"
+    log.info("stage %s: its %d layers fit this GPU (%.2f GiB): weights %.2f GiB + KV %.2f GiB of budget %.2f GiB",
+             name, sp.layers, gpu / GiB, sp.weight_bytes / GiB, sp.kv_bytes / GiB, sp.budget_bytes / GiB)
+
+
 def build_stage(args, env: dict[str, str]):
     """(plan, identity, argv, env, sidecar argv, the path that says it is ready, resolved summary) of this
     stage; argv None: the strategy leaves it idle."""
@@ -94,6 +125,8 @@ def build_stage(args, env: dict[str, str]):
     split, lay, estimates = resolve_split(plan, shape, args.gpu_memory, hw=hw, api_stage=api_stage,
                                           shared_shm=shared_shm)
     log.info(strategy_line(plan, lay, estimates))
+    if not split.stages[ident.stage].fit_checked:  # a gpu stage of explicit layers, no GPU memory in the plan
+        check_this_gpu(plan, shape, ident.stage, lay.strategy)
     if ident.stage not in lay.stages:  # no vLLM here: the strategy's own server (coprocessor's), else nothing
         server = get(lay.strategy).server(plan, lay, ident, env)
         if server is None:

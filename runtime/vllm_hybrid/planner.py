@@ -6,24 +6,46 @@ pipeline computes the same split without talking to the others.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .plan import Plan, PlanError, Stage
 
 GiB = 1 << 30
-# Decoder-only architectures whose layers vLLM can split by VLLM_PP_LAYER_PARTITION and whose
-# parameter count follows the Llama layout (gated MLP, GQA attention) used below.
+# Decoder-only architectures whose layers vLLM can split by VLLM_PP_LAYER_PARTITION, each layer fused qkv + o
+# attention with a KV cache, a gated MLP (or mixture of experts) and its norms, as vLLM 0.26 builds it
+# (vllm/model_executor/models/<module>.py): what each adds to that layout is in _layout below, and
+# tests/runtime/test_architectures.py checks every one against the layers vLLM itself builds.
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3_5ForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM",
-    "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+    "GraniteForCausalLM", "InternLM2ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
 }
-# Mixture of experts in every layer, the same Llama layout otherwise: config keys of the expert count, of the
-# experts each token is routed to, of a routed expert's width, and of the shared expert's width (every token).
+_LINEAR_ATTENTION = ("vLLM 0.26 runs it as a hybrid whose linear-attention (Gated DeltaNet) layers keep a fixed-size "
+                     "recurrent state instead of a KV cache, which the planner does not size")
+# Architectures that look like ones above but that vLLM runs differently: refused by name, with why.
+REFUSED_ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": _LINEAR_ATTENTION, "Qwen3_5ForConditionalGeneration": _LINEAR_ATTENTION,
+    "Qwen3_5MoeForConditionalGeneration": _LINEAR_ATTENTION, "Qwen3NextForCausalLM": _LINEAR_ATTENTION,
+    "GraniteMoeHybridForCausalLM": ("vLLM 0.26 runs it as a hybrid of Mamba-2 layers, which keep a fixed-size state "
+                                    "instead of a KV cache, and attention layers, which the planner does not size"),
+}
+# Mixture of experts in every layer: config keys of the expert count, of the experts each token is routed to, of a
+# routed expert's width, and of the shared expert's width (every token; None: it has none, an absent key: 0).
 MOE_EXPERTS_KEY = {"MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok", "intermediate_size", None),
                    "Qwen2MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                           "shared_expert_intermediate_size"),
+                   "Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                            "shared_expert_intermediate_size")}
+# transformers' defaults (vLLM reads config.json through its config classes) for keys a config.json may leave out,
+# where they are fixed numbers rather than derived from the other keys
+CONFIG_DEFAULTS = {
+    "MistralForCausalLM": {"num_key_value_heads": 8}, "MixtralForCausalLM": {"num_key_value_heads": 8},
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32}, "Qwen3ForCausalLM": {"num_key_value_heads": 32, "head_dim": 128},
+    "Qwen2MoeForCausalLM": {"num_key_value_heads": 16, "shared_expert_intermediate_size": 5632},
+    "Qwen3MoeForCausalLM": {"num_key_value_heads": 4},
+    "Gemma2ForCausalLM": {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True},
+}
+VOCAB_PADDING = 64  # vLLM pads the embedding and LM head rows to a multiple of this (vocab_parallel_embedding.py)
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # Memory a stage needs beyond weights and KV: CUDA context/graphs/activations on GPU stages,
 # the Python/torch runtime and compile caches on CPU stages.
@@ -44,7 +66,13 @@ class ModelShape:
     dtype: str
     experts: int = 0  # mixture of experts: gated MLPs per layer, each `intermediate` wide, and a router
     routed: int = 0   # and how many of them each token runs
-    shared: int = 0   # and a shared expert of this width that every token runs (with its 1-wide gate)
+    shared: int = 0   # and a shared expert of this width that every token runs
+    shared_gate: bool = False  # the shared expert's 1-wide gate (Qwen2-MoE builds it even with no shared expert)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False  # gate_up's and down's (dense MLPs only)
+    qk_norm: bool = False   # a head_dim-wide RMSNorm of q and of k (Qwen3)
+    norms: int = 2          # hidden-wide norms: before attention and MLP (Gemma-2: after each too)
 
     @property
     def dtype_bytes(self) -> int:
@@ -53,11 +81,14 @@ class ModelShape:
     @property
     def layer_tensors(self) -> list[int]:
         """Elements of each weight of a layer as vLLM holds it: fused qkv, o, gate_up and down (one tensor
-        over every expert in a mixture of experts, plus its router), the two norms."""
+        over every expert in a mixture of experts, plus its router), the norms, the biases."""
         h, hd, i, e, s = self.hidden, self.head_dim, self.intermediate, max(1, self.experts), self.shared
-        qkv, o = (self.heads + 2 * self.kv_heads) * hd * h, h * self.heads * hd
-        return ([qkv, o, e * 2 * i * h, e * h * i, h, h] + ([e * h] if self.experts else [])
-                + ([2 * s * h, h * s, h] if s else []))
+        q_kv = (self.heads + 2 * self.kv_heads) * hd
+        return ([q_kv * h, h * self.heads * hd, e * 2 * i * h, e * h * i] + [h] * self.norms
+                + ([q_kv] if self.qkv_bias else []) + ([h] if self.o_bias else [])
+                + ([2 * i, h] if self.mlp_bias else []) + ([hd, hd] if self.qk_norm else [])
+                + ([e * h] if self.experts else []) + ([2 * s * h, h * s] if s else [])
+                + ([h] if self.shared_gate else []))
 
     @property
     def layer_bytes(self) -> int:
@@ -98,10 +129,13 @@ class ModelShape:
 
     @property
     def embedding_bytes(self) -> int:
-        return self.vocab * self.hidden * self.dtype_bytes
+        """The embedding's (and an LM head's) bytes, its rows padded as vLLM pads them."""
+        return -(-self.vocab // VOCAB_PADDING) * VOCAB_PADDING * self.hidden * self.dtype_bytes
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of a token in a layer: every layer keeps every token's, as vLLM's full attention does (its
+        sliding-window layers, Gemma-2's every other, keep only the window's: counted in full, conservative)."""
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
@@ -121,15 +155,44 @@ def read_model_config(model: str) -> dict:
         raise PlanError(f"model: {config} is not valid JSON: {e}") from e
 
 
+def _layout(arch: str, text: dict, hidden: int, heads: int) -> dict:
+    """What vLLM 0.26's decoder layer of `arch` holds beyond fused qkv and o, a gated MLP and two norms, as
+    ModelShape fields (from the config keys vLLM's own module reads)."""
+    attention_bias = bool(text.get("attention_bias") or text.get("bias"))
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):  # llama.py's layer (mistral.py subclasses it)
+        if text.get("ada_rms_norm_t_cond"):
+            raise PlanError(f"model: {arch} with ada_rms_norm_t_cond (a time-conditioned MLP per layer) is not "
+                            "supported: the planner does not size it")
+        return {"qkv_bias": bool(text.get("qkv_bias", attention_bias)), "o_bias": attention_bias,
+                "mlp_bias": bool(text.get("mlp_bias"))}
+    if arch == "GraniteForCausalLM":  # the Llama layout; its multipliers hold no weights
+        return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": bool(text.get("mlp_bias"))}
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):  # qkv bias always; head_dim: hidden / heads, always
+        return {"qkv_bias": True, "qk_norm": arch == "Qwen2ForCausalLM" and bool(text.get("qk_norm")),
+                "head_dim": hidden // heads, "shared_gate": arch == "Qwen2MoeForCausalLM"}
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        return {"qkv_bias": bool(text.get("attention_bias")), "qk_norm": True}
+    if arch == "Gemma2ForCausalLM":  # norms before and after attention and MLP; its soft-capping holds no weights
+        return {"qkv_bias": bool(text.get("attention_bias")), "o_bias": bool(text.get("attention_bias")), "norms": 4}
+    if arch == "InternLM2ForCausalLM":  # no biases, whatever config.bias says; head_dim: hidden / heads
+        return {"head_dim": hidden // heads}
+    return {}  # Mixtral: the Llama layout, experts for the MLP
+
+
 def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
     archs = config.get("architectures") or []
+    refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and refused:
+        raise PlanError(f"model: architecture {refused[0]} is not supported: {REFUSED_ARCHITECTURES[refused[0]]}")
     if arch is None:
         raise PlanError(f"model: unsupported architecture {archs or 'unknown'}; "
                         f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    text = config.get("text_config", config)
+    text = {**CONFIG_DEFAULTS.get(arch, {}), **config.get("text_config", config)}
     if dtype == "auto":
         dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").replace("torch.", "")
+        # vLLM's auto dtype runs a float32 checkpoint in the platform's 16-bit type (bf16 on CPUs and GPUs of sm80+)
+        dtype = "bfloat16" if dtype in ("float32", "float") else dtype
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype: cannot size weights of dtype {dtype!r}")
     try:
@@ -141,14 +204,16 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
             if int(text.get("decoder_sparse_step", 1)) != 1 or text.get("mlp_only_layers"):
                 raise PlanError(f"model: {arch} with dense MLP layers between its MoE ones (decoder_sparse_step, "
                                 "mlp_only_layers) is not supported: every layer must be a mixture of experts")
+            shared = int(text.get(shared) or 0) if shared else 0
             moe = {"experts": int(text[experts]), "routed": int(text[routed]), "intermediate": int(text[width]),
-                   "shared": int(text[shared]) if shared else 0}
+                   "shared": shared, "shared_gate": shared > 0}
+        layout = {"intermediate": moe.get("intermediate") or int(text["intermediate_size"]),
+                  "head_dim": int(text.get("head_dim") or hidden // heads), **moe, **_layout(arch, text, hidden, heads)}
         return ModelShape(
-            architecture=arch, num_layers=int(text["num_hidden_layers"]), hidden=hidden,
-            **{"intermediate": int(text["intermediate_size"]), **moe}, heads=heads,
-            kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype)
+            architecture=arch, num_layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads), vocab=int(text["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            dtype=dtype, **layout)
     except KeyError as e:
         raise PlanError(f"model: config.json lacks {e.args[0]}") from e
 
@@ -165,6 +230,7 @@ class StagePlan:
     kv_tokens: int
     beside_vllm_bytes: int = 0  # gpu stages: what takes GPU memory outside vLLM (a strategy's sidecar)
     gpu_memory_bytes: int | None = None  # of one GPU, where known
+    fit_checked: bool = True  # False: a gpu stage of explicit layers whose GPU memory is unknown here
 
     @property
     def gpu_memory_utilization(self) -> float:
@@ -197,8 +263,11 @@ class Split:
                     f"KV {shape.kv_bytes_per_token_per_layer} B/token/layer")
         for sp in self.stages:
             rows.append(f"stage {sp.index} {sp.stage.name} ({sp.stage.device}, tp={sp.stage.tensor_parallel}): "
-                        f"layers {sp.layer_range} ({sp.layers}); weights {sp.weight_bytes / GiB:.2f} GiB + "
-                        f"KV {sp.kv_bytes / GiB:.2f} GiB ({sp.kv_tokens} tokens) of budget {sp.budget_bytes / GiB:.2f} GiB"
+                        f"layers {sp.layer_range} ({sp.layers}); weights {sp.weight_bytes / GiB:.2f} GiB"
+                        + (f" + KV {sp.kv_bytes / GiB:.2f} GiB ({sp.kv_tokens} tokens) of budget "
+                           f"{sp.budget_bytes / GiB:.2f} GiB" if sp.fit_checked else
+                           "; fit NOT checked: the GPU's memory is unknown (give the stage's memory or --gpu-memory; "
+                           "`serve` checks it against the GPU it runs on)")
                         + (f"; GEMM helper {sp.beside_vllm_bytes / GiB:.2f} GiB beside vLLM, which gets "
                            f"gpu_memory_utilization {sp.gpu_memory_utilization}" if sp.beside_vllm_bytes else ""))
         rows.append(f"VLLM_PP_LAYER_PARTITION={self.partition}")
@@ -217,18 +286,20 @@ def stage_budget(stage: Stage, gpu_memory_bytes: int | None) -> int:
     return per_rank * stage.tensor_parallel
 
 
-def _budget_note(stage: Stage) -> str:
+def _budget_note(stage: Stage, gpu_memory_bytes: int | None = None) -> str:
     if stage.is_cpu:
         return f"memory {stage.memory_bytes / GiB:.2f} GiB minus {CPU_RUNTIME_RESERVE / GiB:.0f} GiB for the runtime"
-    return (f"gpu_memory_utilization {stage.gpu_memory_utilization} of each GPU minus "
-            f"{GPU_RUNTIME_RESERVE / GiB:.0f} GiB per GPU for the runtime")
+    gpu = stage.memory_bytes or gpu_memory_bytes
+    return (f"gpu_memory_utilization {stage.gpu_memory_utilization} of each GPU"
+            + (f" ({gpu / GiB:.2f} GiB)" if gpu else "") + f" minus {GPU_RUNTIME_RESERVE / GiB:.0f} GiB per GPU for the runtime")
 
 
 def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
-    """Embedding on the first stage; final norm + LM head on the last (a copy, even if tied)."""
+    """Embedding on the first stage; final norm + LM head on the last (a copy where tied, unless one stage holds
+    both: then the LM head is the embedding)."""
     fixed = shape.embedding_bytes if index == 0 else 0
     if index == n - 1:
-        fixed += shape.embedding_bytes + shape.hidden * shape.dtype_bytes
+        fixed += shape.hidden * shape.dtype_bytes + (0 if shape.tied_embeddings and n == 1 else shape.embedding_bytes)
     return fixed
 
 
@@ -277,13 +348,22 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
             raise PlanError(
                 f"stages[{i}] ({s.name}): does not fit: {count} layers need {need / GiB:.2f} GiB "
                 f"(weights {weights / GiB:.2f} GiB + KV for one {plan.max_model_len}-token sequence "
-                f"{kv_floor / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB ({_budget_note(s)})")
+                f"{kv_floor / GiB:.2f} GiB) but the budget is {budget / GiB:.2f} GiB ({_budget_note(s, gpu_memory_bytes)})")
         kv = 0 if budget is None or streamed else budget - weights
         stages.append(StagePlan(s, i, first, count, weights, budget or 0, kv,
                                 kv // (count * shape.kv_bytes_per_token_per_layer), beside[i],
-                                None if s.is_cpu else (s.memory_bytes or gpu_memory_bytes)))
+                                None if s.is_cpu else (s.memory_bytes or gpu_memory_bytes), budget is not None))
         first += count
     return Split(shape, tuple(stages))
+
+
+def check_gpu_fit(plan: Plan, shape: ModelShape, stage: int, gpu_memory_bytes: int,
+                  strategy: str = "pipeline") -> StagePlan:
+    """Gpu stage `stage` of explicit layers whose plan gives no GPU memory, checked against the memory of the GPU
+    it runs on (the split itself does not need it, and every pod must compute the same split: a check only).
+    Raises the planner's "does not fit" PlanError."""
+    stages = tuple(replace(s, memory_bytes=gpu_memory_bytes) if i == stage else s for i, s in enumerate(plan.stages))
+    return split_layers(replace(plan, stages=stages), shape, None, strategy).stages[stage]
 
 
 def _assign(stages: tuple[Stage, ...], capacity: list[int], total: int) -> list[int]:

@@ -108,7 +108,9 @@ def test_qwen2_moe_counts_its_fine_grained_experts_and_the_shared_one():
     assert (s.experts, s.routed, s.intermediate, s.shared) == (64, 8, 2560, 20480)  # routed experts' width
     assert s.expert_elems == 3 * 2560 * 3584 and s.layer_expert_bytes == 64 * s.expert_elems * 2
     shared = 3 * 20480 * 3584 + 3584  # every token runs it: not an expert a step may leave unread
-    assert s.layer_bytes - s.layer_expert_bytes == 2 * (3584 * 128 * (2 * 28 + 2 * 4) + 64 * 3584 + 2 * 3584 + shared)
+    qkv_bias = 128 * (28 + 2 * 4)  # Qwen2's attention has one
+    assert s.layer_bytes - s.layer_expert_bytes == 2 * (3584 * 128 * (2 * 28 + 2 * 4) + qkv_bias + 64 * 3584 + 2 * 3584
+                                                        + shared)
     assert s.layer_read_bytes(1) == s.layer_bytes - 56 * s.expert_elems * 2
     total = 28 * s.layer_bytes + 2 * s.embedding_bytes
     assert 114.0e9 < total < 115.5e9  # Qwen2-57B-A14B's 57.4B parameters in bf16
@@ -199,3 +201,59 @@ def test_explicit_layers_of_a_streamed_cpu_stage_are_checked_at_the_size_they_ta
     pipe = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "pipeline")
     assert coproc.stages[1].kv_bytes == 0 and "KV 0.00 GiB (0 tokens)" in coproc.describe().splitlines()[2]
     assert pipe.stages[1].kv_bytes == pipe.stages[1].budget_bytes - pipe.stages[1].weight_bytes > 0
+
+
+def test_a_gpu_stage_of_explicit_layers_without_its_memory_is_checked_against_the_gpu_it_runs_on():
+    from vllm_hybrid.planner import check_gpu_fit
+    p = plan([{"name": "g", "device": "gpu", "layers": 30}, {"name": "c", "device": "cpu", "layers": 2, "cpus": 8,
+                                                              "memory": "64Gi"}])
+    split = split_layers(p, model_shape(LLAMA_8B))  # the split needs no GPU memory: `plan` says what it left out
+    gpu_row, cpu_row = split.describe().splitlines()[1:3]
+    assert not split.stages[0].fit_checked and "fit NOT checked: the GPU's memory is unknown" in gpu_row
+    assert split.stages[1].fit_checked and "of budget 61.00 GiB" in cpu_row and "NOT" not in cpu_row
+    # 30 layers of Llama-3.1-8B (12.19 GiB), its embedding (0.98 GiB), KV for one 8192-token sequence (0.94 GiB)
+    with pytest.raises(PlanError, match=r"stages\[0\] \(g\): does not fit: 30 layers need 14\.\d\d GiB") as err:
+        check_gpu_fit(p, model_shape(LLAMA_8B), 0, 16 * GiB)
+    assert "budget is 12.40 GiB (gpu_memory_utilization 0.9 of each GPU (16.00 GiB) minus 2 GiB" in str(err.value)
+    fits = check_gpu_fit(p, model_shape(LLAMA_8B), 0, int(79.2 * GiB))
+    assert fits.fit_checked and fits.kv_tokens > 8192 and fits.layers == 30
+    assert split_layers(p, model_shape(LLAMA_8B)) == split  # a check only: every pod computes the same split
+
+
+def test_serve_measures_the_gpu_and_refuses_a_stage_that_does_not_fit_before_vllm_loads(tmp_path, monkeypatch, caplog):
+    import argparse
+
+    from vllm_hybrid import cli
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "model": str(tmp_path), "max_model_len": 8192,
+        "stages": [{"name": "g", "device": "gpu", "layers": 30},
+                   {"name": "c", "device": "cpu", "layers": 2, "cpus": 1, "memory": "64Gi"}]}))
+    args = argparse.Namespace(plan=str(tmp_path / "plan.json"), stage=0, replica=0, gpu_memory=None)
+    env = {"HYBRID_CPUS": "0"}
+    monkeypatch.setattr(cli, "visible_gpu_memory", lambda: 16 * GiB)
+    with pytest.raises(PlanError, match=r"stages\[0\] \(g\): does not fit: 30 layers need 14\.\d\d GiB .* \(16\.00 GiB\)"):
+        cli.build_stage(args, dict(env))
+    monkeypatch.setattr(cli, "visible_gpu_memory", lambda: int(79.2 * GiB))
+    with caplog.at_level("INFO", logger="vllm_hybrid"):
+        assert cli.build_stage(args, dict(env))[2] is not None  # vLLM's argv: it starts
+    assert "stage g: its 30 layers fit this GPU (79.20 GiB)" in caplog.text
+    monkeypatch.setattr(cli, "visible_gpu_memory", lambda: None)  # no GPU to ask: it starts, and says so
+    with caplog.at_level("WARNING", logger="vllm_hybrid"):
+        assert cli.build_stage(args, dict(env))[2] is not None
+    assert "stage g: no GPU visible to measure: the fit of its 30 layers is not checked" in caplog.text
+    # the cpu stage has nothing to measure
+    monkeypatch.setattr(cli, "visible_gpu_memory", lambda: pytest.fail("a cpu stage asked for the GPU's memory"))
+    cli.build_stage(argparse.Namespace(**{**vars(args), "stage": 1}), dict(env))
+
+
+def test_the_gpu_memory_is_what_torch_reports_in_a_child_process(tmp_path):
+    from vllm_hybrid.cli import GPU_MEMORY_CODE, visible_gpu_memory
+    assert "torch.cuda.mem_get_info()[1]" in GPU_MEMORY_CODE  # the total vLLM takes gpu_memory_utilization of
+    fake = tmp_path / "python"
+    for script, expected in (("echo 'a warning'; echo 85045870592", 85045870592), ("echo", None),
+                             ("echo 85045870592; exit 1", None)):
+        fake.write_text(f"#!/bin/sh\n{script}\n")
+        fake.chmod(0o755)
+        assert visible_gpu_memory(str(fake)) == expected
+    assert visible_gpu_memory(str(tmp_path / "missing")) is None
