@@ -1,16 +1,22 @@
-"""ASGI middleware on stage 0's API (added with vLLM's --middleware): rejects request bodies vLLM
-would crash on (a JSON array or scalar answers 500 in vLLM 0.26) or that are too large, with the
-OpenAI-style error a client expects. Everything else passes through untouched."""
+"""ASGI middleware on stage 0's API (added with vLLM's --middleware): every POST, whatever its path, is refused
+with the OpenAI-style error a client expects when its body is too large, is JSON but not an object (vLLM 0.26
+answers an array or scalar with 500), or asks for more prompts or a larger `n` than the limits below (each is a
+sequence to schedule: unbounded, one small request can queue a million). Everything else passes through untouched."""
 from __future__ import annotations
 
 import json
 import os
 
-MAX_BODY_BYTES = int(os.environ.get("HYBRID_MAX_BODY_BYTES", str(32 << 20)))
+# the fields whose list items are one prompt each when a text, a token-id list or a conversation (a token id or a
+# dict is part of one: a chat message, a responses item; score's rare multimodal dicts go uncounted): completions'
+# `prompt`, embeddings'/pooling's `input`, batch chat's `messages`, score's and rerank's `queries`/`documents`/
+# `text_1`/`text_2`/`data_1`/`data_2`, generative scoring's `items`
+PROMPT_FIELDS = ("prompt", "input", "messages", "queries", "documents", "items", "text_1", "text_2", "data_1", "data_2")
+RAISE = "; set {} in the first stage's env (spec.stages[0].env of the HybridInference) to raise it"
 
 
-def _error(status: int, message: str) -> tuple[dict, bytes]:
-    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None,
+def _error(status: int, message: str, param: str | None = None) -> tuple[dict, bytes]:
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param,
                                  "code": status}}).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
@@ -20,9 +26,14 @@ def _error(status: int, message: str) -> tuple[dict, bytes]:
 class RequestGuard:
     def __init__(self, app):
         self.app = app
+        self.max_body = int(os.environ.get("HYBRID_MAX_BODY_BYTES", 32 << 20))
+        # OpenAI's own caps: an embeddings request takes at most 2048 inputs, `n` at most 128. `n` reads vLLM's own
+        # setting, so one knob raises both: vLLM's default (16384) is far above that, and beam search's width skips it
+        self.max_prompts = int(os.environ.get("HYBRID_MAX_PROMPTS_PER_REQUEST", 2048))
+        self.max_n = int(os.environ.get("VLLM_MAX_N_SEQUENCES", 128))
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         chunks, size, more = [], 0, True
         while more:
@@ -32,17 +43,20 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             more = message.get("more_body", False)
-            if size > MAX_BODY_BYTES:
-                return await self._reply(send, 413, f"request body larger than {MAX_BODY_BYTES} bytes")
+            if size > self.max_body:
+                return await self._reply(send, 413, f"request body larger than {self.max_body} bytes"
+                                         + RAISE.format("HYBRID_MAX_BODY_BYTES"))
         body = b"".join(chunks)
-        content_type = dict(scope.get("headers", [])).get(b"content-type", b"")
-        if b"json" in content_type:
+        # FastAPI reads a body without a content type as JSON too
+        if b"json" in dict(scope.get("headers", [])).get(b"content-type", b"json").lower():
             try:
                 parsed = json.loads(body)
             except (ValueError, UnicodeDecodeError):
                 parsed = {}  # vLLM answers malformed JSON with a clear 400 itself
             if not isinstance(parsed, dict):
                 return await self._reply(send, 400, f"request body must be a JSON object, got {type(parsed).__name__}")
+            if refusal := self._over_limits(parsed):
+                return await self._reply(send, 400, *refusal)
         replayed = False
 
         async def replay():
@@ -54,8 +68,21 @@ class RequestGuard:
 
         return await self.app(scope, replay, send)
 
+    def _over_limits(self, body: dict) -> tuple[str, str] | None:
+        for field in PROMPT_FIELDS:
+            items = body.get(field)
+            prompts = sum(isinstance(p, (str, list)) for p in items) if isinstance(items, list) else 0
+            if prompts > self.max_prompts:
+                return (f"{prompts} prompts in `{field}`: at most {self.max_prompts} in one request"
+                        + RAISE.format("HYBRID_MAX_PROMPTS_PER_REQUEST"), field)
+        params = body.get("sampling_params")  # /inference/v1/generate carries vLLM's SamplingParams
+        for n in (body.get("n"), params.get("n") if isinstance(params, dict) else None):
+            if isinstance(n, (int, float)) and n > self.max_n:  # pydantic takes 129.0 as 129
+                return f"n = {n}: at most {self.max_n}" + RAISE.format("VLLM_MAX_N_SEQUENCES"), "n"
+        return None
+
     @staticmethod
-    async def _reply(send, status: int, message: str) -> None:
-        start, body = _error(status, message)
+    async def _reply(send, status: int, message: str, param: str | None = None) -> None:
+        start, body = _error(status, message, param)
         await send(start)
         await send({"type": "http.response.body", "body": body})

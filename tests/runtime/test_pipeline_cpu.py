@@ -12,9 +12,15 @@ from vllm_hybrid.local import LocalPipeline, post_json
 pytestmark = pytest.mark.slow
 
 
+# small request limits on stage 0, the API's (api_guard), so their tests need no huge request; the other tests send
+# one prompt with n = 1
+GUARD_ENV = {"HYBRID_MAX_PROMPTS_PER_REQUEST": "4", "VLLM_MAX_N_SEQUENCES": "3"}
+
+
 @pytest.fixture(scope="module")
 def pipeline(tiny_llama, tmp_path_factory):
-    pipe = LocalPipeline(plan_for(tiny_llama), tmp_path_factory.mktemp("pipe"), CPU_ENVS).start()
+    envs = [{**CPU_ENVS[0], **GUARD_ENV}, *CPU_ENVS[1:]]
+    pipe = LocalPipeline(plan_for(tiny_llama), tmp_path_factory.mktemp("pipe"), envs).start()
     try:
         pipe.wait_ready()
         yield pipe
@@ -140,6 +146,94 @@ def test_bad_request_gets_4xx(pipeline, path, body, what):
                    timeout=120)
     assert 400 <= r.status_code < 500, (what, r.status_code, r.text[:300])
     assert pipeline.healthy()
+
+
+# every POST route vLLM 0.26 serves for this generate model (test_post_routes_are_these holds the list to what stage 0
+# logged at start), then paths it does not serve here: the pooling models' and none at all
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses",
+               "/v1/responses/{response_id}/cancel", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+               "/detokenize", "/ping", "/invocations", "/generative_scoring", "/scale_elastic_ep",
+               "/is_scaling_elastic_ep", "/v1/chat/completions/render", "/v1/completions/render",
+               "/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate"]
+UNSERVED = ["/pooling", "/score", "/rerank", "/classify", "/v1/embeddings", "/no/such/route"]
+MAX_BODY = 32 << 20  # api_guard's default
+JSON = {"Content-Type": "application/json"}
+
+
+def test_post_routes_are_these(pipeline):
+    import re
+    routes = re.findall(r"Route: (\S+), Methods: (.+)", pipeline.log(0))
+    assert {path for path, methods in routes if "POST" in methods} == set(POST_ROUTES)
+
+
+@pytest.mark.parametrize("path", POST_ROUTES + UNSERVED)
+def test_every_post_is_guarded(pipeline, path):
+    url = pipeline.url + path.replace("{response_id}", "resp_1")
+    big = httpx.post(url, content=b"x" * (MAX_BODY + 1), headers=JSON, timeout=120)
+    assert big.status_code == 413, big.text[:300]
+    assert big.json()["error"]["message"].startswith(f"request body larger than {MAX_BODY} bytes; set HYBRID_MAX_BODY_BYTES")
+    array = httpx.post(url, content=b"[1, 2, 3]", headers=JSON, timeout=120)
+    assert array.status_code == 400, array.text[:300]
+    assert array.json()["error"]["message"] == "request body must be a JSON object, got list"
+    assert pipeline.healthy()
+
+
+def test_a_body_at_the_cap_is_served(pipeline):
+    body = b'{"model": "tiny", "tokens": [1]}'
+    r = httpx.post(pipeline.url + "/detokenize", content=body + b" " * (MAX_BODY - len(body)), headers=JSON, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+# (path, a request at the limit of GUARD_ENV, the field one more goes into, the answers it gets; None: a path not
+# served here, which the guard still bounds)
+BOUNDED = [
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, "prompt", 4),
+    ("/v1/completions", {"prompt": [[1, 2], [3], [4], [5]]}, "prompt", 4),
+    ("/v1/completions/render", {"prompt": ["a", "b", "c", "d"]}, "prompt", 4),
+    ("/invocations", {"prompt": ["a", "b", "c", "d"]}, "prompt", 4),
+    ("/v1/chat/completions/batch", {"messages": [CHAT] * 4}, "messages", 4),
+    ("/generative_scoring", {"query": "q", "items": ["a", "b", "c", "d"], "label_token_ids": [1, 2]}, "items", 4),
+    ("/v1/embeddings", {"input": ["a", "b", "c", "d"]}, "input", None),
+    ("/pooling", {"input": [[1], [2], [3], [4]]}, "input", None),
+    ("/classify", {"input": ["a", "b", "c", "d"]}, "input", None),
+    ("/score", {"text_1": "q", "text_2": ["a", "b", "c", "d"]}, "text_2", None),
+    ("/rerank", {"query": "q", "documents": ["a", "b", "c", "d"]}, "documents", None),
+    ("/v1/completions", {"prompt": "a", "n": 3, "temperature": 1}, "n", 3),
+    ("/v1/completions", {"prompt": "a", "n": 3, "use_beam_search": True}, "n", 3),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 3, "temperature": 1}, "n", 3),
+    ("/invocations", {"messages": CHAT, "n": 3, "temperature": 1}, "n", 3),
+    # output_kind 2 (FINAL_ONLY), as /v1/completions/render writes it: vLLM's default answers only the samples
+    # that finished in the last step
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"n": 3, "temperature": 1, "max_tokens": 2,
+                                                                         "output_kind": 2}}, "n", 3),
+]
+
+
+def one_more(body: dict, field: str) -> dict:
+    if field != "n":
+        return {**body, field: body[field] + body[field][:1]}
+    if "sampling_params" in body:
+        return {**body, "sampling_params": one_more(body["sampling_params"], "n")}
+    return {**body, "n": body["n"] + 1}
+
+
+@pytest.mark.parametrize("path,body,field,answers", BOUNDED, ids=[f"{b[0]} {b[2]}" for b in BOUNDED])
+def test_prompts_and_n_are_bounded(pipeline, path, body, field, answers):
+    body = {"model": "tiny", "max_tokens": 2, **body}
+    limit, setting = (3, "VLLM_MAX_N_SEQUENCES") if field == "n" else (4, "HYBRID_MAX_PROMPTS_PER_REQUEST")
+    over = httpx.post(pipeline.url + path, json=one_more(body, field), timeout=120)
+    assert over.status_code == 400, over.text[:300]
+    error = over.json()["error"]
+    assert error["param"] == field and f"at most {limit}" in error["message"], error
+    assert f"set {setting} in the first stage's env (spec.stages[0].env of the HybridInference)" in error["message"]
+    r = httpx.post(pipeline.url + path, json=body, timeout=120)
+    if answers is None:
+        assert r.status_code == 404, r.text[:300]  # through the guard to vLLM, which serves no pooling here
+        return
+    assert r.status_code == 200, r.text[:300]
+    got = r.json()
+    assert len(got if isinstance(got, list) else got.get("choices") or got["data"]) == answers
 
 
 def test_still_serving_after_bad_input(pipeline):
