@@ -116,7 +116,11 @@ def test_examples_reach_ready(kube, operator):
                 "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": "models",
                          "resources": {"requests": {"storage": "100Gi"}}}},
                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "llama-api-key", "namespace": "llm"},
-                "stringData": {"api-key": "e2e"}})
+                "stringData": {"api-key": "e2e"}},
+               # cpu-only.yaml's cache claim: bound to this volume, as a default StorageClass would provision one
+               {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "qwen-cache"},
+                "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                         "hostPath": {"path": "/cache"}, "claimRef": {"namespace": "llm-cpu", "name": "qwen-cache"}}})
     t0 = time.monotonic()
     kube.kubectl("apply", "-f", str(ROOT / "examples" / "hybrid.yaml"), "-f", str(ROOT / "examples" / "cpu-only.yaml"))
     wait_phase(kube, "llm", "llama", "Ready", 90)
