@@ -305,6 +305,9 @@ def test_a_stage_that_cannot_start_says_why_and_a_fixed_spec_recovers(node, oper
              ("model path missing", {"model": dict(good["spec"]["model"], path="no-such-model")}, "no-such-model"),
              ("weights unreadable", {"model": dict(good["spec"]["model"], path="unreadable",
                                                    volume={"claimName": "bad"})}, "unreadable"),
+             # an abbreviation the admission rule lets through: vLLM's own parser reads it as --max-model-len
+             ("extra args overriding the plan", {"serving": dict(good["spec"]["serving"], extraArgs=["--max-mod", "64"])},
+              "spec.model.maxModelLen"),
              # a warm-up step of a million tokens: its activations, far beyond the 4Gi limit, at load
              ("stage OOM-killed at load", {"serving": dict(good["spec"]["serving"], maxNumBatchedTokens=1 << 20)},
               "OOM killer")]

@@ -73,6 +73,14 @@ INVALID = [
      "spec.serving.maxNumBatchedTokens"),
     ("api-key-in-extra-args", body_with(serving={"extraArgs": ["--api-key=secret"]}), "spec.serving.extraArgs"),
     ("port-in-extra-args", body_with(serving={"extraArgs": ["--port", "1"]}), "spec.serving.extraArgs"),
+    # what the planner sized against, in the forms vLLM's parser takes (the stage refuses abbreviations at start)
+    ("max-model-len-in-extra-args", body_with(serving={"extraArgs": ["--max-model-len=100"]}), "spec.serving.extraArgs"),
+    ("underscored-flag-in-extra-args", body_with(serving={"extraArgs": ["--max_num_seqs", "3"]}),
+     "spec.serving.extraArgs"),
+    ("short-tp-in-extra-args", body_with(serving={"extraArgs": ["--enforce-eager", "-tp", "2"]}),
+     "spec.serving.extraArgs"),
+    ("pipeline-wiring-in-extra-args", body_with(serving={"extraArgs": ["--pipeline-parallel-size=3"]}),
+     "spec.serving.extraArgs"),
     ("name-too-long-for-statefulsets", body_with(name="x" * 50), "metadata.name plus spec.stages[].name"),
     ("offload-without-gpu-stage", body_with(strategy="offload", stages=[CPU], sharedMemory={"mode": "none"}),
      "spec.strategy offload, balanced, coprocessor and experts need a gpu stage"),
@@ -222,6 +230,9 @@ VALID = {
                  "apiKeySecretRef": {"name": "api"}, "extraArgs": ["--enforce-eager"], "stallTimeoutSeconds": 600},
         images={"gpu": "r/gpu:1", "cpu": "r/cpu:1", "pullPolicy": "Always", "pullSecrets": ["reg"]},
         monitoring={"port": 9200, "scrapeAnnotations": False}),
+    # flags the launcher leaves open, and names that only begin like pinned ones (--model-impl, --portfolio-x)
+    "open-extra-args": make_body(serving={"extraArgs": ["--enforce-eager", "--kv-cache-dtype=fp8", "--model-impl",
+                                                        "vllm", "--max-num-partial-prefills", "2", "--seed=7"]}),
     "cache-claim": make_body(cache={"claimName": "vllm-cache"}),
     "cache-host-path": make_body(cache={"hostPath": "/var/cache/hybrid/llama"}),
 }
