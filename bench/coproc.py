@@ -1,7 +1,7 @@
-"""The co-processor mechanism alone (strategy: coprocessor, runtime/vllm_hybrid/coproc.py), torch only, no vLLM.
+"""The co-processor mechanism alone (strategy: coprocessor, runtime/vllm_hybrid/strategies/coprocessor/), torch only, no vLLM.
 
 The 16 decoder layers' products of the Llama-3.1-8B shape live in one memfd (the CPU pod's region). A server
-process pinned to cores 1..15 runs coproc.serve on it; this process registers the region and runs one
+process pinned to cores 1..15 runs coproc_server.serve on it; this process registers the region and runs one
 16-layer pass per CUDA graph replay: a copy stream prefetches each layer's rows [0, n0) a layer ahead (as
 vLLM's prefetch offloader does), the GPU computes them, the server the rest, meeting through memops.
 Reported per rows T and GPU share: ms per pass (graph replay), against the same pass streaming every row
@@ -18,8 +18,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from vllm_hybrid import coproc, hostmem
 from vllm_hybrid.cpubind import parse_cpulist as cpus
+from vllm_hybrid.cpupod import hostmem
+from vllm_hybrid.strategies.coprocessor import client as coproc_client
+from vllm_hybrid.strategies.coprocessor import io as coproc_io
+from vllm_hybrid.strategies.coprocessor import server as coproc_server
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 16))
@@ -46,11 +49,11 @@ def serve_child(wfd: int, iofd: int, max_rows: int) -> None:
     wmap, _ = hostmem.open_fd(wfd)
     iomap, _ = hostmem.open_fd(iofd)
     _, ws = views(wmap, shapes)
-    layout = coproc.IoLayout.for_shapes(shapes, max_rows)
-    io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, DT)
+    layout = coproc_io.IoLayout.for_shapes(shapes, max_rows)
+    io = coproc_io.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, DT)
     print(f"server: {len(ws)} products on {torch.get_num_threads()} threads", flush=True)
     parent = os.getppid()
-    print("server: served", coproc.serve(ws, io, stop=lambda: os.getppid() != parent),
+    print("server: served", coproc_server.serve(ws, io, stop=lambda: os.getppid() != parent),
           flush=True)
 
 
@@ -64,7 +67,7 @@ def main(path: str) -> None:
     for i in range(0, flat.numel(), block.numel()):
         part = flat[i:i + block.numel()]
         part.copy_(block[:part.numel()])
-    layout = coproc.IoLayout.for_shapes(shapes, max(ROWS))
+    layout = coproc_io.IoLayout.for_shapes(shapes, max(ROWS))
     ioregion = hostmem.allocate("coproc-bench-io", layout.nbytes, pages="shmem")
     # its threads one per core, as the launcher places them (strategies.coprocessor.server_env)
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(wregion.fd), str(ioregion.fd),
@@ -72,17 +75,17 @@ def main(path: str) -> None:
                               env={**os.environ, "GOMP_CPU_AFFINITY": " ".join(map(str, cpus(SERVER_CPUS)))})
     faulthandler.dump_traceback_later(float(os.environ.get("HYBRID_BENCH_WATCHDOG", 300)), exit=True)
     out = {"weights": wregion.describe(), "server_cpus": SERVER_CPUS}
-    from vllm_hybrid import memops
+    from vllm_hybrid.cpupod import memops
     os.sched_setaffinity(0, [0])
     t0 = time.perf_counter()
     memops.register(flat.data_ptr(), total, mapped=False)
     io_raw = torch.frombuffer(ioregion.map, dtype=torch.uint8)
     memops.register(io_raw.data_ptr(), layout.nbytes)
     out["register_s"] = round(time.perf_counter() - t0, 2)
-    io = coproc.IoViews(io_raw, layout, DT)
-    gpu = coproc.GpuSide(io)
+    io = coproc_io.IoViews(io_raw, layout, DT)
+    gpu = coproc_client.GpuSide(io)
     # the memops alone first: a store the host sees, a wait the host releases
-    probe, word = gpu.done, coproc.DONE
+    probe, word = gpu.done, coproc_io.DONE
     # allocated and its kernel loaded before the wait: a cudaMalloc or a first (lazy) module load behind a
     # pending wait blocks the host until the wait is released, here by this very thread
     marker = torch.zeros(1, device="cuda").add_(0)
@@ -137,7 +140,7 @@ def main(path: str) -> None:
         refs = [F.linear(xs[k], ws[(LAYERS - 1) * 4 + p].to(dev)) for p, (_, k) in enumerate(SHAPES)]
         row = {}
         for share in [1.0] + SHARES:
-            n0s = [n if share >= 1 else min(n - coproc.ALIGN, int(n * share) // coproc.ALIGN * coproc.ALIGN)
+            n0s = [n if share >= 1 else min(n - coproc_io.ALIGN, int(n * share) // coproc_io.ALIGN * coproc_io.ALIGN)
                    for n, _ in shapes]
             outs = [torch.full((rows, n), float("nan"), dtype=DT, device=dev) for n, _ in SHAPES]
             one_pass(xs, n0s, outs)  # eager once: warms cuBLAS up, and checks the protocol outside a graph

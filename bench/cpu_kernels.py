@@ -40,9 +40,9 @@ def one_per_core(cpus: list[int]) -> list[int]:
 
 def dram_read_gbs(torch) -> float:
     """DRAM read GB/s on torch's threads: the faster of a float32 sum over 2 GiB (earlier runs' figure) and the
-    coprocessor's best of three max passes (cpu_server.measure_dram_read). A bound holds only if nothing beats it: the
+    coprocessor's best of three max passes (cpupod_server.measure_dram_read). A bound holds only if nothing beats it: the
     sum alone read 77.2 GB/s on an H100 box where the coprocessor streamed its 6.98 GB at 91."""
-    from vllm_hybrid.cpu_server import measure_dram_read
+    from vllm_hybrid.cpupod.server import measure_dram_read
     x = torch.ones(1 << 29, dtype=torch.float32)  # 2 GiB
     x.sum()
     best = float("inf")

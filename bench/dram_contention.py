@@ -1,7 +1,7 @@
 """How the copy engine and the CPU share the host's DRAM (GPU machine; torch only, no vLLM): GB/s read by the CPU's
 threads (a max over 2 GB of bytes, and torch's bf16 GEMM at one row on 8B-shaped weights) and by host-to-GPU copies from
 page-locked memory, each alone and each CPU read beside the copy. Why it matters: the coprocessor splits each product
-between the two, and the split pays only if together they read faster than the CPU alone (coproc_tune).
+between the two, and the split pays only if together they read faster than the CPU alone (strategies/coprocessor/tune.py).
 
     PYTHONPATH=runtime taskset -c 2-15 python bench/dram_contention.py OUT.json   # THREADS (default: the affinity's cores)
 """
@@ -13,14 +13,14 @@ import sys
 import threading
 
 import torch
-from vllm_hybrid.cpu_server import window_gbs
+from vllm_hybrid.cpupod.server import window_gbs
 
 GB = 1.5  # of weights per shape: more than any cache
 
 
 def gbs(step, nbytes: int, seconds: float) -> float:
     """GB/s of step(0), step(1), ... (each reads nbytes) over a window of `seconds`, after one untimed call: the
-    servers' own timing (cpu_server.window_gbs)."""
+    servers' own timing (cpupod_server.window_gbs)."""
     step(0)
     return window_gbs(lambda i: (step(i), nbytes)[1], seconds)  # steps return tensors: the bytes are nbytes
 

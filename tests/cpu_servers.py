@@ -1,4 +1,4 @@
-"""The cpu pods' servers (`python -m vllm_hybrid.coproc` of strategy coprocessor, `python -m vllm_hybrid.experts` of
+"""The cpu pods' servers (`python -m vllm_hybrid.strategies.coprocessor.server` of strategy coprocessor, `python -m vllm_hybrid.strategies.experts.server` of
 strategy experts) started as a cpu pod runs them and driven over their Unix socket as the main stage drives them,
 without a GPU: tests/runtime's protocol tests and tests/observability's Prometheus test share these."""
 from __future__ import annotations
@@ -14,17 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from vllm_hybrid import coproc, experts, hostmem
-from vllm_hybrid.gemm_split import recv_msg, send_msg
+from vllm_hybrid.cpupod import hostmem
+from vllm_hybrid.cpupod.wire import recv_msg, send_msg
+from vllm_hybrid.strategies.coprocessor import io as coproc_io
+from vllm_hybrid.strategies.experts import client as experts_client
 
 H, INTER, E, K = 64, 96, 8, 2  # the expert tests' MoE layer: hidden size, expert intermediate size, experts, top-k
 
 
+SERVERS = {"coproc": "vllm_hybrid.strategies.coprocessor.server", "experts": "vllm_hybrid.strategies.experts.server"}
+
+
 def start_server(module: str, path: str, metrics_port: int, env: dict[str, str], stdout=subprocess.PIPE,
                  prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`python -m vllm_hybrid.<module>` as cpu stage 1 ("cpu") runs it, listening on `path`, its regions on shmem
+    """The server of `module` (coproc, experts: SERVERS) as cpu stage 1 ("cpu") runs it, listening on `path`, its regions on shmem
     pages, its metrics on `metrics_port`; `env` over this process's, `prefix` before the command (nice, taskset)."""
-    return subprocess.Popen([*prefix, sys.executable, "-m", f"vllm_hybrid.{module}", "--socket", path, "--pages",
+    return subprocess.Popen([*prefix, sys.executable, "-m", SERVERS[module], "--socket", path, "--pages",
                              "shmem", "--metrics-port", str(metrics_port)], stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "HYBRID_STAGE": "1", "HYBRID_STAGE_NAME": "cpu", **env})
 
@@ -39,17 +44,17 @@ def bench_script(name: str):
 
 # --- strategy coprocessor: the test plays the GPU worker ---------------------------------------------
 
-def gpu_play(io: coproc.IoViews, j: int, x: torch.Tensor, n: int, n0: int, timeout: float = 20.0) -> torch.Tensor:
+def gpu_play(io: coproc_io.IoViews, j: int, x: torch.Tensor, n: int, n0: int, timeout: float = 20.0) -> torch.Tensor:
     """What the GPU stream does for product j (GpuSide.linear, without the GPU rows): the CPU's rows [n0, n)."""
     rows, k = x.shape
     w = io.words
     io.x(j, rows, k).copy_(x)
-    w[coproc.PRODUCT] = j
-    w[coproc.REQ] = coproc.encode(rows, n0)
+    w[coproc_io.PRODUCT] = j
+    w[coproc_io.REQ] = coproc_io.encode(rows, n0)
     end = time.monotonic() + timeout
-    while w[coproc.DONE] != 1:
+    while w[coproc_io.DONE] != 1:
         assert time.monotonic() < end, "server did not answer"
-    w[coproc.DONE] = 0
+    w[coproc_io.DONE] = 0
     return io.y(j, rows, n - n0).clone()
 
 
@@ -61,7 +66,7 @@ class CoprocSession:
     region: torch.Tensor   # the weights region as the GPU worker's loader filled it (flat, in the weights' dtype)
     offsets: list[int]     # each product's byte offset in it
     reply: dict            # the manifest's answer: what the server measured, the layout it keeps the region in
-    io: coproc.IoViews
+    io: coproc_io.IoViews
 
 
 def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: subprocess.Popen,
@@ -91,8 +96,8 @@ def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: 
     iomap, _ = hostmem.open_fd(reply["fds"][0])
     for fd in (first["fds"][0], reply["fds"][0]):
         os.close(fd)  # the mappings keep the regions
-    io = coproc.IoViews(torch.frombuffer(iomap, dtype=torch.uint8),
-                        coproc.IoLayout.for_shapes([tuple(w.shape) for w in weights], max_rows, elem), dtype)
+    io = coproc_io.IoViews(torch.frombuffer(iomap, dtype=torch.uint8),
+                        coproc_io.IoLayout.for_shapes([tuple(w.shape) for w in weights], max_rows, elem), dtype)
     return CoprocSession(sock, first["describe"], size, flat, offsets, reply, io)
 
 
@@ -105,10 +110,10 @@ def make_experts(n: int, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.
 
 
 def experts_session(path: str, remote: dict[int, list[int]], weights: dict[int, list], dtype: torch.dtype,
-                    max_rows: int = 8, timeout: float = 60.0) -> experts.Client:
+                    max_rows: int = 8, timeout: float = 60.0) -> experts_client.Client:
     """The main stage's start of a session: the region sized for the remote experts, filled as its loader does
     (`weights[layer][expert]`: w13, w2), the manifest published."""
-    client = experts.Client(remote, max_rows=max_rows, device="cpu")
+    client = experts_client.Client(remote, max_rows=max_rows, device="cpu")
     client.connect(path, timeout=timeout)
     nbytes = client.region_bytes(sum(len(ids) for ids in remote.values()), (2 * INTER, H), (H, INTER), dtype)
     assert "shmem" in client.open_weights(nbytes)

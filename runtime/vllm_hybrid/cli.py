@@ -88,7 +88,8 @@ def check_this_gpu(plan, shape, stage: int, strategy: str) -> None:
         log.warning("stage %s: no GPU visible to measure: the fit of its %d layers is not checked (give the stage's "
                     "memory)", name, plan.stages[stage].layers)
         return
-    sp = check_gpu_fit(plan, shape, stage, gpu, strategy)  # raises the planner's "does not fit"
+    from .strategies import get
+    sp = check_gpu_fit(plan, shape, stage, gpu, get(strategy))  # raises the planner's "does not fit"
     log.info("stage %s: its %d layers fit this GPU (%.2f GiB): weights %.2f GiB + KV %.2f GiB of budget %.2f GiB",
              name, sp.layers, gpu / GiB, sp.weight_bytes / GiB, sp.kv_bytes / GiB, sp.budget_bytes / GiB)
 
@@ -96,10 +97,10 @@ def check_this_gpu(plan, shape, stage: int, strategy: str) -> None:
 def build_stage(args, env: dict[str, str]):
     """(plan, identity, argv, env, sidecar argv, the path that says it is ready, resolved summary) of this
     stage; argv None: the strategy leaves it idle."""
+    from .identity import identity_from_env
     from .launcher import (
         binding_cpus,
         helper_command,
-        identity_from_env,
         numactl_prefix,
         resolve_stage,
         resolved_summary,

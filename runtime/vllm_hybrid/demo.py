@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 
 from .local import LocalPipeline, local_ports, post_json
 from .plan import plan_from_dict
 from .planner import model_shape, read_model_config, split_layers
 from .realmodel import SERVED_NAME, ModelUnavailable, prepare_model
+from .stage_metrics import scrape, total
 from .tinymodel import make_tiny_llama
 
 QUESTION = "What is the capital of France?"
@@ -53,18 +53,6 @@ def demo_model(work: Path, model_dir: Path, random_weights: bool) -> tuple[Path,
             print(f"real weights unavailable ({e}): using a random 4-layer Llama instead, "
                   "so the answer is words without meaning", flush=True)
     return make_tiny_llama(work / "tiny-llama", layers=4), (1, 3), "tiny-llama", False
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and not line.startswith("#")}
-
-
-def total(samples: dict[str, float], name: str, **labels) -> float:
-    return sum(v for k, v in samples.items()
-               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
 
 
 def stage_time_line(index: int, name: str, layers: str, before: dict, after: dict) -> str:

@@ -8,40 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cpubind import CpuBinding, format_cpulist
+from .identity import Identity
 from .plan import Plan, PlanError
 from .planner import GiB, Split
-from .strategies import Layout, get, slowest_step_s
+from .strategies import STRATEGY_ENV, Layout, get, slowest_step_s
 from .strategies.base import StageExtras
 
 GPU_VLLM_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # the V2 runner's pipeline path does not go through our hop patches
 }
-
-
-@dataclass(frozen=True)
-class Identity:
-    stage: int
-    replica: int
-    master_addr: str
-    host_ip: str | None
-
-
-def identity_from_env(env: dict[str, str], stage: int | None = None, replica: int | None = None) -> Identity:
-    """Pod identity: explicit arguments win, then HYBRID_* variables (set by the operator)."""
-    def number(value, name):
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise PlanError(f"{name}: expected a stage/replica index, got {value!r}") from None
-
-    if stage is None:
-        if "HYBRID_STAGE" not in env:
-            raise PlanError("stage: pass --stage N or set HYBRID_STAGE")
-        stage = number(env["HYBRID_STAGE"], "HYBRID_STAGE")
-    if replica is None:
-        replica = number(env.get("HYBRID_REPLICA", "0"), "HYBRID_REPLICA")
-    master = env.get("HYBRID_MASTER_ADDR", "127.0.0.1").replace("{replica}", str(replica))
-    return Identity(stage, replica, master, env.get("HYBRID_HOST_IP") or None)
 
 
 def cpu_kv_cache_gib(plan: Plan, split: Split, stage: int, env: dict[str, str] | None = None) -> int:
@@ -174,6 +149,9 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         "HYBRID_PROGRESS_FILE": rec.progress_file,
         "HYBRID_STALL_TIMEOUT": f"{rec.stall_timeout:g},{rec.compile_grace:g}",
     })
+    # whose vLLM patches the stage's processes apply besides the core ones (Strategy.patch_vllm); the stage's env may
+    # name another for experiments (tests/runtime/test_pipeline_shapes.py: balanced's split on a CPU-only plan)
+    env.setdefault(STRATEGY_ENV, rec.strategy)
     if rec.stages > 1:  # one batch in flight: micro-batches would make a CPU stage read its weights once each
         env.setdefault("HYBRID_BATCHES_IN_FLIGHT", "1")
     if plan.extra_args:  # vllm_entry refuses those that would replace what the launcher pins
@@ -196,13 +174,13 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         if not binding.pinned:  # "nobind": vLLM leaves the threads alone; size the pool to the request
             env["OMP_NUM_THREADS"] = str(binding.threads_per_rank)
         if binding.threads_per_rank == 1 and rec.tp == 1:
-            # one worker of one thread: its OpenMP setup needs no fresh process (patches.patch_cpu_worker_fork)
+            # one worker of one thread: its OpenMP setup needs no fresh process (vllm_patches.cpu.patch_cpu_worker_fork)
             env.update({"HYBRID_FORK_WORKER": "1", "OMP_NUM_THREADS": "1"})
     env.update(rec.extras.env)
     for key, value in rec.extras.env_defaults:
         env.setdefault(key, value)
     if rec.extras.expect_offloader:
-        # vLLM ignores offload flags it cannot honour (the V2 runner does): patches.patch_check_offloader
+        # vLLM ignores offload flags it cannot honour (the V2 runner does): vllm_patches.worker.patch_check_offloader
         env["HYBRID_EXPECT_OFFLOADER"] = rec.extras.expect_offloader
     if rec.device == "cpu":
         # AMX CPUs: sgl-kernel GEMMs read the weights at 87% of DRAM bandwidth at batch 1 against oneDNN's

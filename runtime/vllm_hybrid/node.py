@@ -53,8 +53,8 @@ def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
     timed as the coprocessor's server times its products."""
     import torch
 
-    from .coproc import choose_kernel, kernel_choice, shape_key
-    from .cpu_server import measure_dram_read
+    from .cpupod.server import measure_dram_read
+    from .strategies.coprocessor.server import choose_kernel, kernel_choice, shape_key
     n, k = GEMV_SHAPE
     count = max(2, nbytes // (n * k * 2))  # distinct weights beyond the caches: each read comes from DRAM
     out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
@@ -72,7 +72,7 @@ def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
     import torch
     if not torch.cuda.is_available():
         return {}
-    from .coproc import measure_copy
+    from .strategies.coprocessor.client import measure_copy
     return {"copy_gbs": measure_copy(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes)}
 
 

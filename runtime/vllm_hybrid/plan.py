@@ -57,7 +57,7 @@ class Plan:
     supervisor_port: int | None = None
     metrics_port: int = 9100
     load_format: str = "auto"
-    strategy: str = "pipeline"
+    strategy: str = "pipeline"  # a name strategies.resolve knows (it checks it)
     offload_backend: str = "prefetch"  # strategy offload: vLLM's prefetch offloader, or UVA (--cpu-offload-gb)
     # the workload `strategy: auto` plans for (None: see strategies.cost.Workload's defaults)
     expected_concurrency: int | None = None
@@ -131,14 +131,12 @@ def _stage(raw: Any, i: int) -> Stage:
 
 
 def _hardware(raw: Any) -> tuple[tuple[str, float], ...]:
-    from .strategies.cost import HARDWARE_KEYS  # the strategies build on this module
+    """Measured figures of the box by name (strategies.cost.hardware_of checks the names)."""
     if raw is None:
         return ()
     if not isinstance(raw, dict):
-        raise PlanError(f"hardware: expected a mapping of {', '.join(HARDWARE_KEYS)}")
+        raise PlanError("hardware: expected a mapping of figure names to numbers")
     for k, v in raw.items():
-        if k not in HARDWARE_KEYS:
-            raise PlanError(f"hardware.{k}: unknown field (known: {', '.join(HARDWARE_KEYS)})")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise PlanError(f"hardware.{k}: expected a positive number, got {v!r}")
     return tuple(sorted((k, float(v)) for k, v in raw.items()))
@@ -165,9 +163,6 @@ def plan_from_dict(raw: Any) -> Plan:
                                maximum=65535 if key.endswith("port") else None)
     if kwargs.get("dtype", "auto") not in DTYPES:
         raise PlanError(f"dtype: expected one of {DTYPES}, got {kwargs['dtype']!r}")
-    from .strategies import NAMES  # the registry (it builds on this module)
-    if kwargs.get("strategy", "pipeline") not in NAMES:
-        raise PlanError(f"strategy: expected one of {NAMES}, got {kwargs['strategy']!r}")
     if kwargs.get("offload_backend", "prefetch") not in OFFLOAD_BACKENDS:
         raise PlanError(f"offload_backend: expected one of {OFFLOAD_BACKENDS}, got {kwargs['offload_backend']!r}")
     if kwargs.get("block_size", 128) % 32:

@@ -218,6 +218,28 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
         raise PlanError(f"model: config.json lacks {e.args[0]}") from e
 
 
+class BudgetRules:
+    """What a strategy takes of each stage's budget (split_layers asks these; strategies.base.Strategy extends
+    them): by default each stage holds its layers and their KV cache, nothing beside vLLM."""
+    gpu_buffer_layers = 0  # >0: the gpu stages compute the cpu stages' layers, streaming them through this many buffers
+
+    def beside_vllm_bytes(self, plan: Plan, shape: ModelShape, gpu: int) -> int:
+        """GPU memory gpu stage `gpu` needs beside vLLM (its sidecar's)."""
+        return 0
+
+    def cpu_layer_bytes(self, shape: ModelShape, per_layer: int) -> int:
+        """A cpu stage's budget per layer as the planner fills it (per_layer: its weights and minimum KV)."""
+        return per_layer
+
+    def streamed_layer_bytes(self, shape: ModelShape) -> int:
+        """A streamed layer's weights in its cpu stage's budget (gpu_buffer_layers > 0)."""
+        return shape.layer_bytes
+
+
+
+PLAIN = BudgetRules()  # pipeline's: no stage streams or runs anything beside vLLM
+
+
 @dataclass(frozen=True)
 class StagePlan:
     stage: Stage
@@ -304,12 +326,10 @@ def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
 
 
 def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = None,
-                 strategy: str = "pipeline") -> Split:
-    """Layers per stage so that each stage's weights + KV fit its budget under `strategy`, by its budget
-    hooks (strategies.base.Strategy): a gpu stage that streams cpu stages' layers also holds their KV, the LM
-    head and its buffers; one that runs a sidecar leaves it room."""
-    from .strategies import get  # they build on this module
-    strat = get(strategy)
+                 strat: BudgetRules = PLAIN) -> Split:
+    """Layers per stage so that each stage's weights + KV fit its budget under a strategy's budget rules: a gpu
+    stage that streams cpu stages' layers also holds their KV, the LM head and its buffers; one that runs a sidecar
+    leaves it room."""
     n, total = len(plan.stages), shape.num_layers
     # Every stage must hold KV for at least one full-length sequence.
     min_kv_per_layer = shape.kv_bytes_per_token_per_layer * plan.max_model_len
@@ -358,12 +378,12 @@ def split_layers(plan: Plan, shape: ModelShape, gpu_memory_bytes: int | None = N
 
 
 def check_gpu_fit(plan: Plan, shape: ModelShape, stage: int, gpu_memory_bytes: int,
-                  strategy: str = "pipeline") -> StagePlan:
+                  strat: BudgetRules = PLAIN) -> StagePlan:
     """Gpu stage `stage` of explicit layers whose plan gives no GPU memory, checked against the memory of the GPU
     it runs on (the split itself does not need it, and every pod must compute the same split: a check only).
     Raises the planner's "does not fit" PlanError."""
     stages = tuple(replace(s, memory_bytes=gpu_memory_bytes) if i == stage else s for i, s in enumerate(plan.stages))
-    return split_layers(replace(plan, stages=stages), shape, None, strategy).stages[stage]
+    return split_layers(replace(plan, stages=stages), shape, None, strat).stages[stage]
 
 
 def _assign(stages: tuple[Stage, ...], capacity: list[int], total: int) -> list[int]:

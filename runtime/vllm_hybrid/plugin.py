@@ -30,12 +30,13 @@ def register() -> None:
         if os.environ.get(VEC_ISA_ENV) == "1":
             import vllm.envs
 
-            from .patches import remember_vec_isa_checks
-            remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT)
+            from .vllm_patches import APPLIED
+            from .vllm_patches.cpu import remember_vec_isa_checks
+            APPLIED.append(remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT))
         return
     import vllm
 
     check_vllm_version(vllm.__version__)
-    from . import patches
+    from . import vllm_patches
 
-    patches.apply_all()
+    vllm_patches.apply_all()

@@ -2,7 +2,7 @@
 
 A hung worker (a stuck kernel, a deadlock, a receive that never completes) leaves its launcher
 beating, so the heartbeat never notices, and vLLM waits for the step forever. So each stage's
-first worker publishes a progress record (ProgressWriter, from the step hook in patches.py) in a
+first worker publishes a progress record (ProgressWriter, from the step hook in vllm_patches/worker.py) in a
 small shared-memory file, and the launcher, which runs on while the worker is frozen, reads it
 (StallWatch): requests pending and no step finished for `stall_timeout` seconds -> the stage stops
 its vLLM (stage 0's API, so /health fails and in-flight requests end) and exits non-zero, which
@@ -42,7 +42,7 @@ def size_bucket(tokens: int) -> int:
 
 
 class ProgressWriter:
-    """Worker side: called at every step start and end (patches.patch_worker_step_metrics)."""
+    """Worker side: called at every step start and end (vllm_patches.worker.patch_worker_step_metrics)."""
 
     def __init__(self, path: str):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)

@@ -2,7 +2,7 @@
 
 vLLM's own /metrics (stage 0's API port) covers requests; these cover the pipeline: how long each
 stage takes per step, how much crosses between stages, the KV blocks a stage holds, its binding.
-Fed from the hooks in patches.py; the labels come from the launcher's environment.
+Fed from the hooks in vllm_patches/; the labels come from the launcher's environment.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class StageMetrics:
         for figure, value in figures.items():
             self.measured.labels(**self.labels, figure=figure).set(value)
 
-    # -- hooks (called from patches.py) --
+    # -- hooks (called from vllm_patches/worker.py) --
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.bytes.labels(**self.labels, direction=direction).inc(nbytes)
         self.xfer_seconds.labels(**self.labels, direction=direction).inc(seconds)
@@ -153,3 +153,33 @@ def serve_unused(port: int, labels: dict[str, str], strategy: str) -> StageMetri
     m.info.info({"device": "unused", "layers": "", "strategy": strategy})
     start_http_server(port, registry=m.registry)
     return m
+
+
+# --- reading a stage's metrics (the demo, the bench and the tests) -------------------------------------------------
+
+def scrape_text(url: str, timeout: float = 10) -> str:
+    """A metrics endpoint's Prometheus text (a stage's, a CPU pod server's, vLLM's own)."""
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def samples(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{label="value",...}': value}, labels sorted (prometheus_client's own parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def scrape(url: str, timeout: float = 10) -> dict[str, float]:
+    return samples(scrape_text(url, timeout))
+
+
+def total(scraped: dict[str, float], name: str, **labels) -> float:
+    """The sum of `name`'s samples with these labels (of any others); 0 where there is none."""
+    return sum(v for k, v in scraped.items()
+               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))

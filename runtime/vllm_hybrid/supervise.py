@@ -198,7 +198,7 @@ class ShmJanitor:
 
     def __init__(self, state: str, shm_dir: str = "/dev/shm", sweep: str | None = None):
         self.state, self.dir, self.owned = state, shm_dir, set()
-        self.journal = state + ".journal"  # names vLLM's processes write as they create them (patches.py)
+        self.journal = state + ".journal"  # names vLLM's processes write as they create them (vllm_patches/process.py)
         self.owner = state + ".owner"  # this launcher's pid and pid namespace, while it runs (where it sweeps)
         # other instances' bookkeeping with this prefix whose launcher is gone is ours to clear (local runs: a
         # random port names each, so a hard-killed one's next start, which would clear it, never comes)

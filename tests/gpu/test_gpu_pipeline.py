@@ -7,13 +7,13 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_hybrid import hostmem
+from vllm_hybrid.cpupod import hostmem
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, local_ports, post_json
+from vllm_hybrid.stage_metrics import scrape
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model, make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
@@ -143,7 +143,7 @@ def test_offload_identity(tiny, backend):
 
 
 def long_prompt(model, tokens=200):
-    """More tokens than a split step takes (coproc.DEFAULT_SHARES: 64), well inside max_model_len."""
+    """More tokens than a split step takes (coproc_shares.DEFAULT_SHARES: 64), well inside max_model_len."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model))
     ids = tok(" ".join(["the gpu streams every row of a prompt chunk while the cpu waits"] * 40)).input_ids
@@ -211,7 +211,7 @@ def test_coprocessor_tuned_split_identity(tiny):
 
 def test_coprocessor_cpu_only_small_steps_identity(tiny):
     """GPU share 0 for steps of up to 4 tokens (what the tuning keeps where the CPU pod alone is faster than any split:
-    coproc_tune): nothing is copied for them, the boundary layers prefetch no rows across steps, and the CPU pod
+    coprocessor/tune.py): nothing is copied for them, the boundary layers prefetch no rows across steps, and the CPU pod
     computes every row, in CUDA graphs; larger steps split or stream. Greedy tokens equal single-process vLLM."""
     prompts = [*PROMPTS, long_prompt(tiny)]
     ref = [r["ids"] for r in reference(tiny, prompts, MAX_TOKENS, env=GPU_ENV, gpu_memory_utilization=0.3)]
@@ -274,10 +274,9 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
                                                          "temperature": 0, "ignore_eos": True,
                                                          "return_token_ids": True})["choices"][0]["token_ids"]
                for p in prompts]
-        metrics = urllib.request.urlopen(pipe.metrics_url(1), timeout=10).read().decode()
+        metrics = scrape(pipe.metrics_url(1))
     gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
-    served = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("hybrid_experts_")}
+    served = {k.split("{")[0]: v for k, v in metrics.items() if k.startswith("hybrid_experts_")}
     RESULTS[f"float32_experts_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "served": served,
                                           "gpu": [ln for ln in gpu_log.splitlines() if "experts:" in ln][-3:]}
     assert served.get("hybrid_experts_steps_total", 0) > 0, served

@@ -34,8 +34,13 @@ import pytest
 import torch
 import yaml
 from cpu_servers import CoprocSession, E, H, coproc_session, experts_session, gpu_play, make_experts, start_server
-from vllm_hybrid import coproc, experts, loadgen
+from vllm_hybrid import loadgen
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
+from vllm_hybrid.stage_metrics import scrape, total
+from vllm_hybrid.strategies.coprocessor import io as coproc_io
+from vllm_hybrid.strategies.coprocessor import shares as coproc_shares
+from vllm_hybrid.strategies.experts import client as experts_client
+from vllm_hybrid.strategies.experts import io as experts_io
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -170,7 +175,7 @@ class ServerSteps:
     coprocessor step (the cpu's rows from 32 on) and an experts step (layer 0, then layer 2 BETWEEN_S later; each
     token's first expert on the cpu pod, its second on the main stage: a remote share of 1/2)."""
 
-    def __init__(self, products: CoprocSession, moe: experts.Client):
+    def __init__(self, products: CoprocSession, moe: experts_client.Client):
         self.session, self.moe, self.products, self.steps, self.error = products, moe, 0, 0, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -201,7 +206,7 @@ class ServerSteps:
 
 @pytest.fixture(scope="module")
 def cpu_servers(tmp_path_factory):
-    """`python -m vllm_hybrid.coproc` and `python -m vllm_hybrid.experts` as the cpu pods of SERVERS' pipelines run
+    """`python -m vllm_hybrid.strategies.coprocessor.server` and `python -m vllm_hybrid.strategies.experts.server` as the cpu pods of SERVERS' pipelines run
     them (torch's kernels on one thread; they spin while idle, so below the stages' priority and on cores the stages
     leave free where there are any), each in a session with this process as its main stage."""
     work = tmp_path_factory.mktemp("servers")
@@ -211,7 +216,7 @@ def cpu_servers(tmp_path_factory):
     logs = {module: open(work / f"{module}.log", "w") for module in SERVERS}  # noqa: SIM115 - closed in finally
     procs = {module: start_server(module, str(work / f"{module}.sock"), ports[module], {
         "HYBRID_INSTANCE": pipeline, "HYBRID_REPLICA": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-        coproc.KERNEL_ENV: "torch", experts.KERNEL_ENV: "torch"}, stdout=logs[module], prefix=prefix)
+        coproc_io.KERNEL_ENV: "torch", experts_io.KERNEL_ENV: "torch"}, stdout=logs[module], prefix=prefix)
         for module, pipeline in SERVERS.items()}
     try:
         torch.manual_seed(0)
@@ -498,7 +503,7 @@ def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
     measured = {r["metric"]["figure"]: float(r["value"][1])
                 for r in run("Measured at start (hybrid_stage_measured)", 0, "coproc")}
     assert set(measured) == {"dram_read_gbs", *(f"cpu_products_gbs_{n}x{k}_rows_{t}" for n, k in COPROC_PRODUCTS
-                                                for t in coproc.MEASURE_ROWS)}, measured
+                                                for t in coproc_shares.MEASURE_ROWS)}, measured
     assert all(v > 0 for v in measured.values())
     # the expert server's kernel is forced (torch): its DRAM read, no kernel timings
     moe_measured = {r["metric"]["figure"]: float(r["value"][1])
@@ -581,8 +586,7 @@ def proc_stat(pid: int) -> list[str]:
 
 def requests_running(pipe: LocalPipeline) -> float:
     """vllm:num_requests_running on stage 0's /metrics, read directly (Prometheus scrapes every few seconds)."""
-    text = urllib.request.urlopen(pipe.url + "/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+    return total(scrape(pipe.url + "/metrics", timeout=5), "vllm:num_requests_running")
 
 
 def alert_state(prom: Prom, name: str) -> str | None:

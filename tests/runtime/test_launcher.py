@@ -4,16 +4,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import yaml
 from test_planner import LLAMA_8B
 from vllm_hybrid.cpubind import plan_binding
-from vllm_hybrid.launcher import identity_from_env, numactl_prefix, resolve_stage, vllm_command, vllm_env
+from vllm_hybrid.identity import identity_from_env
+from vllm_hybrid.launcher import numactl_prefix, resolve_stage, vllm_command, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.plugin import UnsupportedVllmVersion, check_vllm_version
+from vllm_hybrid.stage_metrics import scrape_text
 
 PLAN = {"model": "/models/llama", "served_model_name": "llama", "dtype": "bfloat16", "max_model_len": 8192,
         "api_port": 8000, "master_port": 29500, "extra_args": ["--seed", "7"],
@@ -103,12 +104,12 @@ def test_a_cpu_stage_pins_only_cores_that_are_its_own(caplog):
     env = vllm_env(*_built(1)[:3], shared, {})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "16"
     assert "HYBRID_FORK_WORKER" not in env  # several threads: vLLM spawns the worker with its own OpenMP setup
-    # one thread, pinned or floating: the worker is forked (patches.patch_cpu_worker_fork), one thread stage-wide
+    # one thread, pinned or floating: the worker is forked (vllm_patches.cpu.patch_cpu_worker_fork), one thread stage-wide
     for one in (stage_binding(plan, ident, {"HYBRID_CPUS": "3"}), unpinned_binding([0, 1], 1)):
         env = vllm_env(*_built(1)[:3], one, {})
         assert env["HYBRID_FORK_WORKER"] == "1" and env["OMP_NUM_THREADS"] == "1"
     from vllm_hybrid.launcher import binding_cpus
-    from vllm_hybrid.strategies.coprocessor import server_env
+    from vllm_hybrid.strategies.base import server_env
     assert binding_cpus(shared) == "unpinned: 16 threads over 0-63" and binding_cpus(own) == "4-18"
     assert "GOMP_CPU_AFFINITY" not in server_env(shared, {}, 1, "cpu")
 
@@ -184,7 +185,7 @@ def test_stage_left_out_by_offload_idles_with_metrics(tiny_llama, tmp_path):
         text = ""
         for _ in range(100):
             try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                text = scrape_text(f"http://127.0.0.1:{port}/metrics", timeout=2)
                 break
             except OSError:
                 time.sleep(0.3)
@@ -251,7 +252,7 @@ def test_cli_coprocessor_cpu_stage_runs_the_product_server(tiny_llama, tmp_path)
     resolved = json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
     # every core computes: no engine loop to leave one for
     assert resolved["role"] == "coprocessor" and resolved["for_stage"] == 0 and resolved["cpus"] == "0-3"
-    assert f"-m vllm_hybrid.coproc --socket {tmp_path}/hybrid-t-r0-s1.coproc --metrics-port" in r.stdout
+    assert f"-m vllm_hybrid.strategies.coprocessor.server --socket {tmp_path}/hybrid-t-r0-s1.coproc --metrics-port" in r.stdout
 
 
 def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_layers():
@@ -266,7 +267,7 @@ def test_coprocessor_prefetches_one_layer_ahead_unless_two_divide_the_streamed_l
 
 
 def test_server_threads_one_per_core_spinning_between_calls_unless_the_stage_says_passive():
-    from vllm_hybrid.strategies.coprocessor import WAIT_ENV, server_env
+    from vllm_hybrid.strategies.base import WAIT_ENV, server_env
     binding = plan_binding([2, 3, 4, 5], {0: [2, 3, 4, 5]}, reserve=0)
     image = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "INFINITY", "PATH": "/bin"}
     env = server_env(binding, image, 1, "cpu")

@@ -2,12 +2,12 @@
 the greedy tokens of single-process vLLM on the same weights; streaming chat and /metrics work."""
 import json
 import os
-import urllib.request
 
 import httpx
 import pytest
 from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, plan_for
 from vllm_hybrid.local import LocalPipeline, post_json
+from vllm_hybrid.stage_metrics import scrape, scrape_text, total
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_layer_split_is_what_the_plan_says(pipeline):
 
 def test_one_thread_stages_fork_their_processes_and_pin_the_worker_to_the_stage_core(pipeline):
     """Each stage runs one OpenMP thread on its own core: vLLM's engine core and worker are forked, not spawned (one
-    interpreter start each, patches.patch_cpu_engine_fork / patch_cpu_worker_fork), so the plugin ran once per stage,
+    interpreter start each, vllm_patches.cpu.patch_cpu_engine_fork / patch_cpu_worker_fork), so the plugin ran once per stage,
     and the worker still sits on the stage's core, as vLLM's spawned worker did through OMP_PLACES."""
     import re
     for i, env in enumerate(CPU_ENVS):
@@ -75,23 +75,14 @@ def test_streaming_chat(pipeline):
 
 
 def test_metrics_served(pipeline):
-    with urllib.request.urlopen(pipeline.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = scrape_text(pipeline.url + "/metrics")
     assert "vllm:generation_tokens_total" in text
     assert 'model_name="tiny"' in text
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}, enough to assert on."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and not line.startswith("#")}
-
-
 def metric(samples: dict[str, float], name: str, **labels) -> float:
-    hits = [v for k, v in samples.items() if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())]
-    assert hits, f"{name} {labels} not exported"
-    return sum(hits)
+    assert total({k: 1 for k in samples}, name, **labels), f"{name} {labels} not exported"
+    return total(samples, name, **labels)
 
 
 def test_every_stage_exports_pipeline_metrics(pipeline):

@@ -91,9 +91,9 @@ def test_split_gemms_match_single_process(tiny_llama, reference_ids, tmp_path):
     # strategy balanced without a GPU: both stages split every GEMM with one GEMM helper process
     # (on the CPU here; the GPU machine runs it on CUDA), compiled graphs calling the split op
     sock = str(tmp_path / "helper.gemm")
-    helper = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.gemm_helper", "--socket", sock, "--device", "cpu"],
+    helper = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.balanced.gemm_helper", "--socket", sock, "--device", "cpu"],
                               stdout=open(tmp_path / "helper.log", "wb"), stderr=subprocess.STDOUT)
-    split = {"HYBRID_GEMM_SOCKET": sock, "HYBRID_SPLIT_SHARE": "0.5"}
+    split = {"HYBRID_GEMM_SOCKET": sock, "HYBRID_SPLIT_SHARE": "0.5", "HYBRID_STRATEGY": "balanced"}
     try:
         alone, together, logs = alone_and_together(plan_for(tiny_llama, extra_args=[]), tmp_path,
                                                    [{**e, **split} for e in CPU_ENVS])

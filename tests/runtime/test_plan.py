@@ -33,7 +33,6 @@ def test_quantities(text, value):
     (lambda p: p.update(max_model_len="big"), "max_model_len"),
     (lambda p: p.update(api_port=70000), "api_port"),
     (lambda p: p.update(api_port=29500), "api_port/master_port"),
-    (lambda p: p.update(strategy="fast"), "strategy"),
     (lambda p: p.update(extra_args="--x"), "extra_args"),
     (lambda p: p.update(bogus=1), "bogus"),
     (lambda p: p["stages"][0].update(device="tpu"), "stages[0].device"),

@@ -3,6 +3,7 @@ import json
 import pytest
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import GiB, model_shape, read_model_config, split_layers
+from vllm_hybrid.strategies import get
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -145,7 +146,8 @@ def test_a_model_larger_than_the_gpu_splits_by_both_memories():
 def test_each_strategy_gets_a_split_that_fits_its_gpu_memory():
     # the 70B shape on an 80 GB GPU + 110Gi for the cpu stage, CPU stage first (the LM head on the GPU)
     from vllm_hybrid.strategies import resolve_split
-    from vllm_hybrid.strategies.balanced import HELPER_RING_SLOTS, helper_gpu_bytes
+    from vllm_hybrid.strategies.balanced import helper_gpu_bytes
+    from vllm_hybrid.strategies.balanced.io import HELPER_RING_SLOTS
     from vllm_hybrid.tinymodel import LLAMA_3_1_70B
     shape, gpu_mem = model_shape(LLAMA_3_1_70B), int(79.2 * GiB)
     stages = [{"name": "cpu", "device": "cpu", "cpus": 15, "memory": "110Gi"},
@@ -181,7 +183,7 @@ def test_offload_counts_the_pinned_copies_as_torch_allocates_them():
               {"name": "cpu", "device": "cpu", "cpus": 8, "memory": f"{(20 * shape.layer_bytes + 3 * GiB) >> 20}Mi"}]
     for strategy, held in (("offload", 15), ("pipeline", 18)):
         with pytest.raises(PlanError, match=f"cpu fits {held}\\)"):
-            split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), strategy)
+            split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), get(strategy))
 
 
 def test_explicit_layers_of_a_streamed_cpu_stage_are_checked_at_the_size_they_take():
@@ -192,13 +194,13 @@ def test_explicit_layers_of_a_streamed_cpu_stage_are_checked_at_the_size_they_ta
     stages = [{"name": "gpu", "device": "gpu", "layers": 39, "gpu_memory_utilization": 0.92},
               {"name": "cpu", "device": "cpu", "layers": 41, "cpus": 8, "memory": "75Gi"}]
     with pytest.raises(PlanError, match=r"stages\[1\] \(cpu\): does not fit: 41 layers need 78\.\d\d GiB"):
-        split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "offload")
+        split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), get("offload"))
     for strategy in ("pipeline", "coprocessor"):
-        cpu = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), strategy).stages[1]
+        cpu = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), get(strategy)).stages[1]
         assert cpu.weight_bytes > 41 * shape.layer_bytes
     # what `vllm-hybrid plan` says of it: the coprocessor's cpu stage keeps weights only, pipeline's a KV cache
-    coproc = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "coprocessor")
-    pipe = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), "pipeline")
+    coproc = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), get("coprocessor"))
+    pipe = split_layers(plan(stages, dtype="bfloat16"), shape, int(79.2 * GiB), get("pipeline"))
     assert coproc.stages[1].kv_bytes == 0 and "KV 0.00 GiB (0 tokens)" in coproc.describe().splitlines()[2]
     assert pipe.stages[1].kv_bytes == pipe.stages[1].budget_bytes - pipe.stages[1].weight_bytes > 0
 

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 from vllm_hybrid import progress
-from vllm_hybrid.launcher import Identity, resolve_stage, stall_timeouts, vllm_env
+from vllm_hybrid.identity import Identity
+from vllm_hybrid.launcher import resolve_stage, stall_timeouts, vllm_env
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.progress import ProgressWriter, StallWatch, default_timeouts, size_bucket

@@ -1,7 +1,8 @@
 """How the CPU side of the budget is used (plan.strategy): one module per strategy behind base.Strategy,
 and `auto`, whichever of them the cost model predicts fastest for the plan's expected workload.
 
-A new strategy: a module with a Strategy subclass, registered below.
+A new strategy: a module (or a folder, where it has a CPU-pod half and vLLM patches of its own: its __init__.py the
+Strategy, io.py the names and region layout both halves use) with a Strategy subclass, registered below.
 Pure: a function of the plan, its layer split and the hardware figures, like the planner.
 """
 from __future__ import annotations
@@ -17,10 +18,11 @@ from .offload import Offload
 from .pipeline import Pipeline
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Pipeline(), Offload(), Balanced(), Coprocessor(), Experts())}
+STRATEGY_ENV = "HYBRID_STRATEGY"  # a stage's resolved strategy (the launcher sets it): its vLLM patches apply too
 NAMES = (*STRATEGIES, "auto")  # what plan.strategy may name; auto tries them in registry order (ties: the first)
 
-__all__ = ["NAMES", "STRATEGIES", "Hardware", "Layout", "Strategy", "Workload", "get", "hardware_of", "predict",
-           "resolve", "resolve_split", "slowest_step_s", "workload_of"]
+__all__ = ["NAMES", "STRATEGIES", "STRATEGY_ENV", "Hardware", "Layout", "Strategy", "Workload", "get", "hardware_of", "predict",
+           "check_name", "resolve", "resolve_split", "slowest_step_s", "workload_of"]
 
 
 def get(name: str) -> Strategy:
@@ -28,6 +30,12 @@ def get(name: str) -> Strategy:
     if name not in STRATEGIES:
         raise PlanError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
     return STRATEGIES[name]
+
+
+def check_name(plan: Plan) -> None:
+    """plan.strategy names a registered strategy or auto (the plan file itself does not know them)."""
+    if plan.strategy not in NAMES:
+        raise PlanError(f"strategy: expected one of {NAMES}, got {plan.strategy!r}")
 
 
 def predict(plan: Plan, split: Split, lay: Layout, work: Workload, hw: Hardware = Hardware()) -> float:
@@ -57,10 +65,11 @@ def resolve_split(plan: Plan, shape, gpu_memory_bytes: int | None = None, hw: Ha
                   api_stage: int | None = None, shared_shm: bool = True) -> tuple[Split, Layout, dict[str, float]]:
     """The split and layout to run: the strategy is chosen on the pipeline split (auto: by the cost
     model), then gets a split of its own (its budget rules: base.Strategy's planner hooks)."""
+    check_name(plan)
     split = split_layers(plan, shape, gpu_memory_bytes)
     lay, estimates = resolve(plan, split, hw, api_stage, shared_shm)
     if lay.strategy != "pipeline":
-        split = split_layers(plan, shape, gpu_memory_bytes, lay.strategy)
+        split = split_layers(plan, shape, gpu_memory_bytes, get(lay.strategy))
         lay = get(lay.strategy).layout(plan, split)
     return split, lay, estimates
 
@@ -71,6 +80,7 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
     api_stage: the plan stage that must serve the API where the deployment fixes it (Kubernetes
     routes clients to stage 0's pods), so layouts that leave it out are not candidates.
     shared_shm: whether the stages of a replica share /dev/shm (balanced and coprocessor meet there)."""
+    check_name(plan)
     hw = hw or hardware_of(plan)
     work = workload_of(plan)
     mixed = any(not s.is_cpu for s in plan.stages) and any(s.is_cpu for s in plan.stages)

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..cpubind import CpuBinding
-from ..plan import Plan, PlanError, Stage
-from ..planner import ModelShape, Split
+from ..identity import Identity
+from ..plan import Plan, PlanError
+from ..planner import BudgetRules, ModelShape, Split
 from .cost import NO_COST, Hardware, StageCost, Workload, lm_head_bytes
-
-if TYPE_CHECKING:
-    from ..launcher import Identity
 
 # why balanced and coprocessor refuse a replica whose stages do not share /dev/shm
 SHARED_SHM = "the stages of a replica to share /dev/shm (sharedMemory.mode hostPath): the cpu and gpu stages meet there"
@@ -53,7 +51,7 @@ class StageExtras:
     flags: tuple[str, ...] = ()                     # vLLM flags (the weights it streams)
     env: tuple[tuple[str, str], ...] = ()           # vLLM's env, set
     env_defaults: tuple[tuple[str, str], ...] = ()  # and set unless the stage's env has them (the user's wins)
-    expect_offloader: str | None = None             # the offloader class vLLM must report (patches.patch_check_offloader)
+    expect_offloader: str | None = None             # the offloader class vLLM must report (vllm_patches.worker.patch_check_offloader)
     sidecar: tuple[str, ...] = ()                   # a process started before vLLM (python's args), stopping it if it dies
     sidecar_ready: str | None = None                # the path it creates once ready; vLLM waits for it
     summary: tuple[tuple[str, Any], ...] = ()       # its keys in `vllm-hybrid resolved`
@@ -67,23 +65,53 @@ class Server:
     env: Callable[[CpuBinding, dict[str, str]], dict[str, str]]  # its env on the stage's binding, from the pod's
 
 
-def streaming_gpu(stages: tuple[Stage, ...], index: int) -> int:
-    """The gpu stage serving cpu stage `index` under offload, balanced and coprocessor: the one before it
-    (layers stay contiguous), else the first."""
-    gpus = [i for i, s in enumerate(stages) if not s.is_cpu]
-    return max((j for j in gpus if j < index), default=min(gpus))
-
-
 def shm_socket(env: dict[str, str], replica: int, stage: int, kind: str) -> str:
     """A socket of the replica's stages in their shared /dev/shm (HYBRID_SHM_DIR moves it)."""
     name = f"hybrid-{env.get('HYBRID_INSTANCE', 'local')}-r{replica}-s{stage}.{kind}"
     return os.path.join(env.get("HYBRID_SHM_DIR", "/dev/shm"), name)
 
 
-class Strategy:
+WAIT_ENV = "HYBRID_SERVER_WAIT"  # the stage's env may override how the server's threads wait: spin | passive
+WAITS = ("spin", "passive")
+
+
+def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str) -> dict[str, str]:
+    """Its torch threads one per core of the stage's binding (libgomp places thread i on the i-th CPU), waiting
+    between two calls as HYBRID_SERVER_WAIT says, whatever the image sets: spin (the default, libgomp's own: spin
+    ~300k rounds, then sleep) or passive (asleep at once)."""
+    # woken from sleep at every call, the threads start one after another: one H100 lease, coprocessor's decode
+    # 2.5-17% slower (bench/results/gpu_bench-coproc-h100-spin.json), the expert server's replica 70 GB/s against 81
+    wait = base.get(WAIT_ENV) or "spin"
+    if wait not in WAITS:
+        raise ValueError(f"{WAIT_ENV}={wait!r}: one of {', '.join(WAITS)}")
+    env = {k: v for k, v in base.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(binding.threads_per_rank), HYBRID_STAGE=str(stage),
+               HYBRID_STAGE_NAME=name)
+    if wait == "passive":  # never ACTIVE: spinning for ever, each product took 8 ms instead of 1.3 (coproc_probe.json)
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if binding.pinned:
+        env["GOMP_CPU_AFFINITY"] = binding.omp_bind.replace(",", " ")
+    return env
+
+
+def cpu_pod_server(plan: Plan, lay: Layout, ident: Identity, env: dict[str, str], kind: str, module: str,
+                   role: str) -> Server | None:
+    """A cpu stage's server (python -m vllm_hybrid.<module>) for the gpu stage lay.servers pairs it with, on the
+    socket shm_socket names by `kind`; None on any other stage."""
+    served = dict(lay.servers)
+    if ident.stage not in served:
+        return None
+    sock, name = shm_socket(env, ident.replica, ident.stage, kind), plan.stages[ident.stage].name
+    port = int(env.get("HYBRID_METRICS_PORT", plan.metrics_port))
+    return Server(argv=("-m", f"vllm_hybrid.{module}", "--socket", sock, "--metrics-port", str(port)),
+                  summary={"role": role, "for_stage": served[ident.stage], "socket": sock},
+                  env=lambda binding, base: server_env(binding, base, ident.stage, name))
+
+
+class Strategy(BudgetRules):
     """How the CPU side of the budget is used. A strategy names itself and lays out what runs; every other
-    hook defaults to adding nothing (no refusal, no budget beyond each stage's layers and their KV, nothing
-    in the record, no server, no cost)."""
+    hook defaults to adding nothing (no refusal, no budget beyond each stage's layers and their KV (the planner's
+    BudgetRules), nothing in the record, no server, no cost, no change to vLLM)."""
     name: str
     hybrid = True  # needs a gpu stage and a cpu stage (else refused, after the API stage check)
     auto = True    # a candidate of `auto` (a strategy whose cost model no run has checked yet is not)
@@ -97,21 +125,6 @@ class Strategy:
         """Why it cannot run this model (the end of "strategy: NAME needs ..."); None: it can."""
         return None
 
-    # planner (split_layers): what the strategy takes of each stage's budget
-    gpu_buffer_layers = 0  # >0: the gpu stages compute the cpu stages' layers, streaming them through this many buffers
-
-    def beside_vllm_bytes(self, plan: Plan, shape: ModelShape, gpu: int) -> int:
-        """GPU memory gpu stage `gpu` needs beside vLLM (its sidecar's)."""
-        return 0
-
-    def cpu_layer_bytes(self, shape: ModelShape, per_layer: int) -> int:
-        """A cpu stage's budget per layer as the planner fills it (per_layer: its weights and minimum KV)."""
-        return per_layer
-
-    def streamed_layer_bytes(self, shape: ModelShape) -> int:
-        """A streamed layer's weights in its cpu stage's budget (gpu_buffer_layers > 0)."""
-        return shape.layer_bytes
-
     # what runs
     def layout(self, plan: Plan, split: Split) -> Layout:
         raise NotImplementedError
@@ -123,6 +136,11 @@ class Strategy:
     def server(self, plan: Plan, lay: Layout, ident: Identity, env: dict[str, str]) -> Server | None:
         """What runs on a stage outside lay.stages instead of vLLM (None: the stage idles)."""
         return None
+
+    def patch_vllm(self) -> list[str]:
+        """Its changes to vLLM, in each vLLM process of a stage it runs (vllm_patches.apply_all calls it after the
+        core patches); what each changed. A strategy's patches live in its folder and import vLLM only here."""
+        return []
 
     # cost (auto's choice, the stall timeout)
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..plan import Plan
+from ..plan import Plan, PlanError
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
 
 
 def hardware_of(plan: Plan) -> Hardware:
+    for k, _ in plan.hardware:
+        if k not in HARDWARE_KEYS:
+            raise PlanError(f"hardware.{k}: unknown field (known: {', '.join(HARDWARE_KEYS)})")
     return Hardware(**dict(plan.hardware))
 
 

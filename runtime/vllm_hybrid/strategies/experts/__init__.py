@@ -1,27 +1,30 @@
 """experts: the gpu stage runs every layer (attention, router, norms, the KV cache) and as many routed experts as
 its budget holds; the rest of each MoE layer's experts live once in the cpu stage's memory, which computes them
-for the tokens routed there in decode-sized steps (experts.py, run instead of vLLM on the cpu stage; the gpu side
-is patches.patch_experts). Larger steps compute them on the gpu from that memory. docs/design-experts.md."""
+for the tokens routed there in decode-sized steps (server.py, run instead of vLLM on the cpu stage; the gpu side
+is client.py and patches.py). Larger steps compute them on the gpu from that memory. docs/design-experts.md."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 
-from ..plan import Plan, PlanError
-from ..planner import ModelShape, Split, stage_budget
-from .base import SHARED_SHM, Layout, Server, StageExtras, Strategy, shm_socket
-from .coprocessor import cpu_pod_server
-from .cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
-from .offload import prefetch_cost
+from ...plan import Plan, PlanError
+from ...planner import ModelShape, Split, stage_budget
+from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
+from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
+from ..streaming import prefetch_cost
+from .io import (
+    BYTES_ENV,
+    COUNTS_ENV,
+    DEFAULT_MAX_ROWS,
+    MAX_ROWS_ENV,
+    REMOTE_ENV,
+    SOCKET_ENV,
+    format_placement,
+    load_counts,
+)
 
 REGION_SLACK = 64 << 20  # the region beyond the experts' bytes: 4 KiB alignment of each tensor, rounding
-# the gpu stage's env (patches.patch_experts); also what vllm_hybrid.experts reads
-SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV, COUNTS_ENV = (
-    "HYBRID_EXPERTS_SOCKET", "HYBRID_EXPERTS_BYTES", "HYBRID_EXPERTS_REMOTE", "HYBRID_EXPERTS_MAX_ROWS",
-    "HYBRID_EXPERTS_COUNTS")
-DEFAULT_MAX_ROWS = 64  # larger steps compute the remote experts on the main stage's device
 
 
 def place(num_layers: int, experts: int, remote_per_layer: float,
@@ -57,14 +60,6 @@ def counts_path(env: dict[str, str], model: str, layers: int, experts: int) -> s
     return os.path.join(root, "hybrid-expert-counts", f"{key}-{layers}x{experts}.json")
 
 
-def load_counts(path: str) -> tuple[dict[str, list[int]], int]:
-    """The counts file's routed pairs per layer ("layer" -> one count per expert) and its tokens; raises what reading
-    or parsing it raises."""
-    with open(path) as f:
-        data = json.load(f)
-    return {layer: [int(c) for c in row] for layer, row in data["counts"].items()}, int(data.get("tokens", 0))
-
-
 def read_counts(path: str, layers: int, experts: int) -> tuple[list[list[int]] | None, str]:
     """The routed (token, expert) pairs per layer and expert that earlier runs counted (None: none usable), and
     how the placement is made, for the stage's log."""
@@ -82,22 +77,6 @@ def read_counts(path: str, layers: int, experts: int) -> tuple[list[list[int]] |
     if not any(map(any, counts)):
         return None, "evenly (no routing counted yet)"
     return counts, f"by routing counts of {tokens} tokens ({path})"
-
-
-def format_placement(remote: dict[int, Sequence[int]]) -> str:
-    """HYBRID_EXPERTS_REMOTE: LAYER:ID,ID;LAYER:ID,... (layers without remote experts left out)."""
-    return ";".join(f"{layer}:{','.join(map(str, ids))}" for layer, ids in sorted(remote.items()) if ids)
-
-
-def parse_placement(text: str) -> dict[int, list[int]]:
-    try:
-        out = {int(layer): sorted(int(e) for e in ids.split(",")) for layer, ids in
-               (part.split(":") for part in text.split(";") if part.strip())}
-    except ValueError:
-        raise ValueError(f"{REMOTE_ENV}={text!r}: expected LAYER:ID,ID;LAYER:ID,... (e.g. 0:6,7;1:0,1)") from None
-    if any(e < 0 for ids in out.values() for e in ids) or any(len(set(ids)) < len(ids) for ids in out.values()):
-        raise ValueError(f"{REMOTE_ENV}={text!r}: expert ids are distinct and >= 0")
-    return out
 
 
 def experts_socket(env: dict[str, str], replica: int, cpu_stage: int) -> str:
@@ -190,7 +169,7 @@ class Experts(Strategy):
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed)))
 
     def server(self, plan, lay, ident, env) -> Server | None:
-        return cpu_pod_server(plan, lay, ident, env, "experts", "experts")
+        return cpu_pod_server(plan, lay, ident, env, "experts", "strategies.experts.server", "experts")
 
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
         """bench/bounds.py's terms: a decode step reads the cpu experts its tokens route to from DRAM (the gpu's
@@ -208,3 +187,7 @@ class Experts(Strategy):
         return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency)
                          + shape.num_layers * hw.coproc_call_s,
                          stream.prefill_s)
+
+    def patch_vllm(self) -> list[str]:
+        from .patches import apply  # vLLM's modules: only in a stage's vLLM process
+        return apply()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .coproc import SGL_MIN_ROWS, rows_of, shape_key, share_for
+from .shares import SGL_MIN_ROWS, rows_of, shape_key, share_for
 
 STEP = 0.08       # the factors tried: 1, 1 +- STEP, 1 +- 2 STEP, ... while the pass gets faster
 LOW, HIGH = 0.5, 1.8  # the factors' range

@@ -1,55 +1,16 @@
 """balanced: every CPU stage computes its layers, and each of its matrix products is split row-wise with the
-GEMM helper of a GPU stage (gemm_split.py, gemm_helper.py), which streams its share of the weights over
+GEMM helper of a GPU stage (gemm_split.py in the cpu stage, gemm_helper.py beside the gpu stage's vLLM), which streams its share of the weights over
 PCIe while the CPU reads the rest from DRAM."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from ...plan import Plan
+from ...planner import GiB, ModelShape, Split
+from ..base import SHARED_SHM, Layout, StageExtras, Strategy, shm_socket
+from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, lm_head_bytes
+from ..streaming import streaming_gpu
+from .io import HELPER_RING_SLOTS, RATES_ENV, SOCKET_ENV, Rates
 
-from ..plan import Plan
-from ..planner import GiB, ModelShape, Split
-from .base import SHARED_SHM, Layout, StageExtras, Strategy, shm_socket, streaming_gpu
-from .cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, lm_head_bytes
-
-ALIGN = 16  # a GPU share of a split GEMM is whole 16-row blocks; below one block the CPU does it all
-# weights in flight in the GEMM helper's ring per CPU worker (about two decoder layers ahead), and with its
-# miss buffer the device buffers it holds
-HELPER_RING = int(os.environ.get("HYBRID_GEMM_RING", "8"))
-HELPER_RING_SLOTS = HELPER_RING + 1
 HELPER_CONTEXT = GiB // 2  # its CUDA context and kernels
-
-
-@dataclass(frozen=True)
-class Rates:
-    """What each side reaches while both work (launcher: from the plan's hardware figures)."""
-    pcie_gbs: float = 50.0    # host -> GPU, pinned weights
-    cpu_gbs: float = 55.0     # CPU weight reads while the GPU streams (both load DRAM)
-    cpu_tflops: float = 3.0   # CPU GEMM compute, large batches
-
-    def encode(self) -> str:
-        return f"{self.pcie_gbs},{self.cpu_gbs},{self.cpu_tflops}"
-
-    @classmethod
-    def decode(cls, text: str | None) -> Rates:
-        return cls(*map(float, text.split(","))) if text else cls()
-
-    def row_seconds(self, k: int, rows: int, elem: int) -> tuple[float, float]:
-        """Time per weight row of a (n, k) product at `rows` rows on each side. GPU: the row and its
-        outputs cross PCIe, (k + rows) * elem bytes. CPU: it reads the row at DRAM speed or, in large
-        batches, computes it at its FLOP rate."""
-        cpu_bps = min(self.cpu_gbs * 1e9, self.cpu_tflops * 1e12 * elem / (2 * rows))
-        return (k + rows) * elem / (self.pcie_gbs * 1e9), k * elem / cpu_bps
-
-
-def gpu_rows(rows: int, n: int, k: int, elem: int, rates: Rates, share: float | None = None) -> int:
-    """Rows of an (n, k) weight the GPU computes for a batch of `rows`: both sides finish together
-    (`share` fixes the GPU's fraction instead, for experiments)."""
-    if share is None:
-        t_gpu, t_cpu = rates.row_seconds(k, rows, elem)
-        share = t_cpu / (t_gpu + t_cpu)
-    n0 = int(n * share) // ALIGN * ALIGN
-    return n if n - n0 < ALIGN else n0
-
 
 def split_rates(hw: Hardware, cores: int) -> Rates:
     """What a CPU stage and its GEMM helper reach side by side (gemm_split picks each split by them)."""
@@ -110,10 +71,10 @@ class Balanced(Strategy):
 
     def stage(self, plan, split, lay, ident, env) -> StageExtras:
         split_with, helper_for = lay.helper_of(ident.stage), lay.helped_by(ident.stage)
-        if split_with is not None:  # a cpu stage: its GEMMs are split with that helper (patches.patch_split_gemm)
+        if split_with is not None:  # a cpu stage: its GEMMs are split with that helper (patches.py)
             rates = split_rates(hardware_of(plan), plan.stages[ident.stage].cpus or 1).encode()
-            return StageExtras(env=(("HYBRID_GEMM_SOCKET", gemm_socket(env, ident.replica, split_with)),),
-                               env_defaults=(("HYBRID_SPLIT_RATES", rates),), summary=(("gemm_split_with", split_with),))
+            return StageExtras(env=((SOCKET_ENV, gemm_socket(env, ident.replica, split_with)),),
+                               env_defaults=((RATES_ENV, rates),), summary=(("gemm_split_with", split_with),))
         if not helper_for:
             return StageExtras()
         # a gpu stage runs the helper. It takes its GPU memory before vLLM starts: vLLM counts memory another
@@ -122,7 +83,7 @@ class Balanced(Strategy):
         sock = gemm_socket(env, ident.replica, ident.stage)
         reserve = max(0, split.stages[ident.stage].beside_vllm_bytes - HELPER_CONTEXT)
         return StageExtras(
-            sidecar=("-m", "vllm_hybrid.gemm_helper", "--socket", sock, "--device", "cuda",
+            sidecar=("-m", "vllm_hybrid.strategies.balanced.gemm_helper", "--socket", sock, "--device", "cuda",
                      *(("--reserve-bytes", str(reserve)) if reserve else ())),
             sidecar_ready=sock, summary=(("gemm_helper_for", helper_for),))
 
@@ -144,3 +105,7 @@ class Balanced(Strategy):
                    + prompt * gb * hw.split_prefill_s_per_gb
                    + prompt * moe_flops / (cores * hw.cpu_prefill_tflops_per_core * 1e12))
         return StageCost(step, prefill)
+
+    def patch_vllm(self) -> list[str]:
+        from .patches import apply  # vLLM's modules: only in a stage's vLLM process
+        return apply()

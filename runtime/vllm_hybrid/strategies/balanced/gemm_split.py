@@ -6,74 +6,28 @@ helper (gemm_helper.py, run by a GPU stage's launcher in the GPU pod) streams ro
 weights to the GPU and computes them there. n0 follows the batch: at decode both
 links share the bytes, in prefill (thousands of rows) the GPU takes nearly everything.
 
-One copy of the weights: the stage's loader writes them into a memfd (place_weights; hostmem.py, 2 MiB
+One copy of the weights: the stage's loader writes them into a memfd (place_weights; cpupod/hostmem.py, 2 MiB
 pages where the pod has them) that the CPU computes from and the helper maps and registers with CUDA
 to stream from.
 
-Protocol (one Unix-socket connection per CPU worker; the socket sits in the replica's shared /dev/shm):
-  setup   client -> helper: JSON manifest (shapes, dtype, max rows) with two file descriptors
-          (SCM_RIGHTS): the weights region and the io region; helper -> client: JSON
-          {"ok": ..., "device"|"error"}.
-  call    client writes x into the io region, sends REQUEST (layer, rows, n0, seq); the helper writes
-          its rows of y into the io region and answers REPLY (seq, status).
+(the protocol: io.py)
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 
 import torch
 import torch.nn.functional as F
 
-from . import hostmem
-from .strategies.balanced import Rates, gpu_rows
+from ...cpupod import hostmem
+from ...cpupod.wire import recv_exact, recv_msg, send_msg
+from .io import PROFILE_ENV, RATES_ENV, REPLY, REQUEST, SHARE_ENV, SOCKET_ENV, Rates, gpu_rows, io_layout
 
 log = logging.getLogger("vllm_hybrid.gemm_split")
-REQUEST = struct.Struct("<iiii")  # layer, rows, n0 (rows of the weight on the GPU), seq
-REPLY = struct.Struct("<ii")      # seq, status (0 ok)
-SOCKET_ENV, RATES_ENV, SHARE_ENV = "HYBRID_GEMM_SOCKET", "HYBRID_SPLIT_RATES", "HYBRID_SPLIT_SHARE"
-
-
-def send_msg(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
-    data = json.dumps(obj).encode()
-    data = struct.pack("<I", len(data)) + data
-    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # the fds travel with the first bytes
-    sock.sendall(data[sent:])
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_msg(sock: socket.socket, max_fds: int = 0) -> dict:
-    """A message; with max_fds, the file descriptors that came with it are under "fds"."""
-    fds: list[int] = []
-    if max_fds:
-        head, fds, _, _ = socket.recv_fds(sock, 4, max_fds)
-        if not head:
-            raise ConnectionError("connection closed")
-        head += recv_exact(sock, 4 - len(head))
-    else:
-        head = recv_exact(sock, 4)
-    (n,) = struct.unpack("<I", head)
-    msg = json.loads(recv_exact(sock, n))
-    return {**msg, "fds": fds} if max_fds else msg
-
-
-def io_layout(max_rows: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
-    """Elements of the io region's two parts: x (rows x largest k), then y (rows x largest n)."""
-    return max_rows * max(k for _, k in shapes), max_rows * max(n for n, _ in shapes)
 
 
 class SplitClient:
@@ -85,7 +39,7 @@ class SplitClient:
         self.seq = 0
         self.lock = threading.Lock()
         # HYBRID_SPLIT_PROFILE=N: log where the time of the last N split calls went
-        self.profile_every = int(os.environ.get("HYBRID_SPLIT_PROFILE", "0"))
+        self.profile_every = int(os.environ.get(PROFILE_ENV, "0"))
         self.spent = [0.0, 0.0, 0]  # seconds computing the CPU rows, seconds waiting for the helper, calls
 
     def connect(self, timeout: float) -> None:
@@ -271,6 +225,6 @@ def connect_and_publish(max_rows: int, env=os.environ) -> str:
 
 
 def place_model_weights(model: torch.nn.Module, linear_types: tuple[type, ...]) -> None:
-    """Called with the model built and its weights not yet loaded (patches.patch_split_gemm)."""
+    """Called with the model built and its weights not yet loaded (patches.patch_split_gemm, in this folder)."""
     global _PLACED
     _PLACED = place_weights(model, linear_types)

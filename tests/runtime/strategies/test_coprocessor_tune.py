@@ -1,8 +1,11 @@
-"""The coprocessor's split tuned on timed passes (coproc_tune): the search and the tables it leaves, against a model of
+"""The coprocessor's split tuned on timed passes (strategies/coprocessor/tune.py): the search and the tables it leaves, against a model of
 a node where copy and CPU slow each other down. The passes themselves run on the GPU (tests/gpu, the bench)."""
 import pytest
 import torch
-from vllm_hybrid import coproc, coproc_tune
+from vllm_hybrid.strategies.coprocessor import client as coproc_client
+from vllm_hybrid.strategies.coprocessor import io as coproc_io
+from vllm_hybrid.strategies.coprocessor import shares as coproc_shares
+from vllm_hybrid.strategies.coprocessor import tune as coproc_tune
 
 
 def test_search_walks_to_the_fastest_factor_either_way():
@@ -32,12 +35,12 @@ def node(products, copy_gbs, cpu_gbs, calls_ms=0.02, cpu_alone_gbs=None):
 def split_client(rates, layers=1, shapes=((4096, 4096),)):
     """A client of `layers` streamed layers of `shapes` (layer 0 a boundary layer where there are several), split by
     measured rates: copies 50 GB/s, the CPU `rates` (step size -> GB/s) on every shape."""
-    client = coproc.Client()
+    client = coproc_client.Client()
     for layer in range(layers):
         for n, k in shapes:
             client.add_product(torch.empty(n, k, dtype=torch.bfloat16, device="meta"), boundary=layers > 1 and layer == 0,
                                layer=layer)
-    client.measured = {"copy_gbs": 50.0, "products_gbs": {coproc.shape_key(n, k): {str(r): v for r, v in rates.items()}
+    client.measured = {"copy_gbs": 50.0, "products_gbs": {coproc_shares.shape_key(n, k): {str(r): v for r, v in rates.items()}
                                                           for n, k in shapes}}
     client.split_by_measured()
     return client
@@ -57,10 +60,10 @@ def test_tuning_moves_the_split_to_where_copy_and_cpu_end_together_and_streams_w
     assert 64 not in tuned.factors and 64 in tuned.tried
     qkv, down = client.products[2], client.products[3]
     assert [b for b, _ in qkv.table] == [1, 4, 16] and client.n0(2, 64) is None and client.n0(2, 17) is None
-    assert client.n0(2, 1) == coproc.rows_of(qkv.n, tuned.factors[1] * 0.5)
-    assert client.n0(3, 16) == coproc.rows_of(down.n, tuned.factors[16] * 0.5)
+    assert client.n0(2, 1) == coproc_shares.rows_of(qkv.n, tuned.factors[1] * 0.5)
+    assert client.n0(3, 16) == coproc_shares.rows_of(down.n, tuned.factors[16] * 0.5)
     # the boundary layer's rows follow the tuned one-token share
-    assert client.products[0].n0_fixed == coproc.rows_of(qkv.n, tuned.factors[1] * 0.5)
+    assert client.products[0].n0_fixed == coproc_shares.rows_of(qkv.n, tuned.factors[1] * 0.5)
     assert "1 rows: x" in tuned.summary() and "64 rows: not split" in tuned.summary()
     assert tuned.summary().endswith(f"; streaming every row {tuned.stream_ms:.1f} ms")
 
@@ -86,15 +89,15 @@ def test_a_node_where_the_split_never_pays_streams_every_step():
 
 
 def test_tuning_is_on_for_a_measured_split_and_asked_for_a_forced_one(monkeypatch):
-    monkeypatch.delenv(coproc.TUNE_ENV, raising=False)
-    assert coproc.tune_split(forced=False) and not coproc.tune_split(forced=True)
-    monkeypatch.setenv(coproc.TUNE_ENV, "1")
-    assert coproc.tune_split(forced=True)
-    monkeypatch.setenv(coproc.TUNE_ENV, "0")
-    assert not coproc.tune_split(forced=False)
-    monkeypatch.setenv(coproc.TUNE_ENV, "yes")
+    monkeypatch.delenv(coproc_io.TUNE_ENV, raising=False)
+    assert coproc_client.tune_split(forced=False) and not coproc_client.tune_split(forced=True)
+    monkeypatch.setenv(coproc_io.TUNE_ENV, "1")
+    assert coproc_client.tune_split(forced=True)
+    monkeypatch.setenv(coproc_io.TUNE_ENV, "0")
+    assert not coproc_client.tune_split(forced=False)
+    monkeypatch.setenv(coproc_io.TUNE_ENV, "yes")
     with pytest.raises(ValueError, match="HYBRID_COPROC_TUNE='yes'"):
-        coproc.tune_split(forced=False)
+        coproc_client.tune_split(forced=False)
 
 
 def test_a_box_growing_faster_during_the_search_does_not_move_the_split():
@@ -113,7 +116,7 @@ def test_a_box_growing_faster_during_the_search_does_not_move_the_split():
         pick = min(tuned.tried[1], key=tuned.tried[1].get)
         assert pick > 1.0 and set(tuned.again[1]) == {pick, 1.0}  # the search itself was fooled both times
         assert (tuned.factors[1] == pick) is moved and (tuned.factors[1] == 1.0) is not moved, tuned.summary()
-        assert client.n0(0, 1) == coproc.rows_of(4096, 0.5 * tuned.factors[1])
+        assert client.n0(0, 1) == coproc_shares.rows_of(4096, 0.5 * tuned.factors[1])
 
 
 def test_a_cpu_fast_alone_but_starved_beside_the_copy_takes_every_row_of_small_steps():

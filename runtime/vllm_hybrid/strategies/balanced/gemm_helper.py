@@ -1,6 +1,6 @@
 """The GEMM helper: the GPU side of a CPU stage's split matrix products (see gemm_split.py).
 
-Run by a GPU stage's launcher in the GPU pod (`python -m vllm_hybrid.gemm_helper --socket PATH`).
+Run by a GPU stage's launcher in the GPU pod (`python -m vllm_hybrid.strategies.balanced.gemm_helper --socket PATH`).
 Each connection is one CPU worker: the helper maps the worker's weight region (the one copy the CPU
 computes from, gemm_split.py) and registers it with CUDA, then every call computes rows [0, n0) of one
 layer's output. The weights do not depend on the input, so a copy stream runs ahead through a ring of
@@ -22,9 +22,10 @@ import threading
 
 import torch
 
-from . import hostmem
-from .gemm_split import REPLY, REQUEST, io_layout, recv_exact, recv_msg, send_msg
-from .strategies.balanced import HELPER_RING as RING  # the planner leaves the GPU memory for it
+from ...cpupod import hostmem
+from ...cpupod.wire import recv_exact, recv_msg, send_msg
+from .io import HELPER_RING as RING  # the planner leaves the GPU memory for it
+from .io import REPLY, REQUEST, io_layout
 
 log = logging.getLogger("vllm_hybrid.gemm_helper")
 
@@ -200,7 +201,7 @@ def serve(path: str, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    p = argparse.ArgumentParser(prog="vllm_hybrid.gemm_helper", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vllm_hybrid.strategies.balanced.gemm_helper", description=__doc__.split("\n")[0])
     p.add_argument("--socket", required=True)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (tests)")
     p.add_argument("--cpus", help="CPU list to run on (the launcher gives it a core of its own)")

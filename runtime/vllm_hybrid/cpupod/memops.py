@@ -1,5 +1,5 @@
 """CUDA stream memory operations on host memory: how a GPU stream and a CPU process meet without a host
-thread in between (coproc.py). A flag write and a wait on a flag are stream work, so CUDA graphs capture
+thread in between (strategies/coprocessor, strategies/experts). A flag write and a wait on a flag are stream work, so CUDA graphs capture
 them (batch mem-op nodes) and replay them every step: the GPU tells the CPU pod that a product's input is
 in host memory, and waits for its rows of the output, inside the captured decode step.
 
@@ -80,3 +80,10 @@ def as_device(t: torch.Tensor) -> torch.Tensor:
     ptr = device_pointer(t.data_ptr())
     raw = torch.as_tensor(_HostView(ptr, t.numel() * t.element_size()), device="cuda")
     return raw.view(t.dtype).view(t.shape)
+
+
+def device_words(raw: torch.Tensor, line: int, words: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+    """A registered io region as a GPU process uses it: an in-place device view, and the device pointers of its
+    words (one per `line` bytes), which stream memory operations store to and wait on."""
+    base = device_pointer(raw.data_ptr())
+    return as_device(raw), [base + w * line for w in words]

@@ -1,0 +1,329 @@
+"""strategy experts, the main stage's side: the routed experts that do not fit its device live once in the CPU pod's
+region; its loader writes them there (patches.py) and keeps only its own experts in the layer's parameters, under an
+expert map in which the remote ones are -1 (vLLM's expert-parallel path skips them). Decode-sized steps hand the
+remote experts' tokens to the CPU pod (io.py); larger steps compute them here from the region. On CUDA the hand-over
+is stream memory operations (memops), so CUDA graphs capture it; on CPU (tests) the same protocol with plain stores."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...cpupod import hostmem
+from ...cpupod.packed import unpack
+from ...cpupod.server import RegionClient, closed
+from .io import (
+    BYTES_ENV,
+    COUNTS_ENV,
+    COUNTS_EVERY_ENV,
+    DEFAULT_MAX_ROWS,
+    DONE,
+    LAYER,
+    LINE,
+    MAX_ROWS_ENV,
+    REMOTE_ENV,
+    REQ,
+    SOCKET_ENV,
+    IoLayout,
+    IoViews,
+    load_counts,
+    parse_placement,
+)
+from .kernels import compute
+
+log = logging.getLogger("vllm_hybrid.experts")
+
+def expert_map(num_experts: int, remote: Sequence[int]) -> tuple[int, torch.Tensor]:
+    """vLLM's expert map for the main stage: global id -> local index, -1 for a remote expert."""
+    if any(not 0 <= e < num_experts for e in remote) or len(set(remote)) >= num_experts:
+        raise ValueError(f"remote experts {list(remote)} of {num_experts}: ids in range, at least one local")
+    local = [e for e in range(num_experts) if e not in set(remote)]
+    emap = [-1] * num_experts
+    for i, e in enumerate(local):
+        emap[e] = i
+    return len(local), torch.tensor(emap, dtype=torch.int32)
+
+def local_topk(local: torch.Tensor, num_local: int) -> torch.Tensor:
+    """Top-k ids for upstream's CPU MoE kernels, which take no expert map: a token's local slots keep their local index
+    (expert map applied: -1 where the expert is remote); each remote slot gets one its token does not use, to be
+    weighted 0. Distinct because the kernels' torch path counts a token's expert once (a scatter, not an add): two
+    slots on one index lost a row (a shape mismatch at a step with tokens routed to two remote experts)."""
+    if num_local < local.shape[1]:
+        raise ValueError(f"{num_local} local experts for top-{local.shape[1]}: keep at least top-k experts local")
+    ids = local.clone()
+    for j in range(ids.shape[1]):
+        remote = ids[:, j] < 0
+        if remote.any():
+            used = torch.zeros(ids.shape[0], num_local, dtype=torch.int32)
+            used.scatter_add_(1, ids.clamp(min=0).long(), (ids >= 0).to(torch.int32))
+            ids[:, j] = torch.where(remote, (used == 0).to(torch.int32).argmax(1).to(ids.dtype), ids[:, j])
+    return ids.to(torch.int32)
+
+def remote_mask(num_experts: int, remote: Sequence[int]) -> torch.Tensor:
+    mask = torch.zeros(num_experts, dtype=torch.bool)
+    mask[list(remote)] = True
+    return mask
+
+class CpuSide:
+    """The protocol with plain stores and a spin: a main stage on CPU (tests)."""
+
+    def __init__(self, io: IoViews, alive: Callable[[], bool], timeout: float = 600.0):
+        self.io, self.alive, self.timeout = io, alive, timeout
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        rows, io = x.shape[0], self.io
+        io.x(layer, rows).copy_(x)
+        io.ids(layer, rows).copy_(ids)
+        io.weights(layer, rows).copy_(weights)
+        io.words[LAYER] = layer
+        io.words[REQ] = rows  # last: the server reads the rest once it sees this
+
+    def collect(self, layer: int, rows: int) -> torch.Tensor:
+        words, spins, end = self.io.words, 0, time.monotonic() + self.timeout
+        while words[DONE] != 1:
+            spins += 1
+            if spins % 65536 == 0 and (not self.alive() or time.monotonic() > end):
+                raise RuntimeError("strategy experts: the expert server stopped answering")
+        words[DONE] = 0
+        return self.io.y(layer, rows).clone()
+
+class GpuSide:
+    """The CUDA main stage's end: device pointers of the words, in-place device views of the buffers."""
+
+    def __init__(self, io: IoViews):
+        from ...cpupod import memops
+        self.io, self.memops = io, memops
+        self.dev, (self.req, self.layer, self.done) = memops.device_words(io.raw, LINE, (REQ, LAYER, DONE))
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        rows, io, mo = x.shape[0], self.io, self.memops
+        # kernels write host memory (copy_ might take the DMA engine, queued behind other copies)
+        torch.mul(x, 1, out=io.x(layer, rows, self.dev))
+        torch.mul(ids, 1, out=io.ids(layer, rows, self.dev))
+        torch.mul(weights, 1, out=io.weights(layer, rows, self.dev))
+        mo.write(self.layer, layer)
+        mo.write(self.req, rows)
+
+    def collect(self, layer: int, rows: int) -> torch.Tensor:
+        self.memops.wait(self.done, 1)
+        self.memops.write(self.done, 0)
+        return self.io.y(layer, rows, self.dev)
+
+@dataclass
+class Held:
+    ids: list[int]
+    stacks: tuple[torch.Tensor, torch.Tensor]  # the layer's remote experts in the region: E x 2I x H and E x H x I
+    packed: str | None = None                  # the server packed them for its kernel (packed_kernel's name)
+
+    @property
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13, w2) in the region, per remote expert."""
+        return list(zip(*self.stacks))
+
+    def plain(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13, w2) per expert on `device`, unpacked if the server packed them."""
+        if self.packed is None and device.type == "cpu":
+            return self.weights
+        return self.unpacked(self.copy_to(device))
+
+    def copy_to(self, device: torch.device) -> list[torch.Tensor]:
+        """The stacks copied to `device` on the current stream (the region is page-locked where it is CUDA)."""
+        return [s.to(device, non_blocking=True) for s in self.stacks]
+
+    def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them."""
+        return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
+
+class RoutingCounts:
+    """Routed (token, expert) pairs per MoE layer, counted on the main stage's device (an index_add_ per layer, so
+    CUDA graphs replay it) from the first real step on, and added to what earlier runs left in `path` every
+    `every_s` seconds of serving: the next start places the least-routed experts on the CPU pod."""
+
+    def __init__(self, path: str | None, every_s: float = 60.0):
+        self.path, self.every_s = path, every_s
+        self.live: dict[int, torch.Tensor] = {}
+        self.saved_at: float | None = None  # None until serving: warm-up and graph capture route dummy tokens
+        self.base: dict[str, list[int]] = {}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.base = load_counts(path)[0] if path else {}
+
+    def track(self, layer: int, experts: int, device: str) -> None:
+        self.live[layer] = torch.zeros(experts, dtype=torch.int64, device=device)
+
+    def add(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self.path is None:  # nowhere to keep them (HYBRID_EXPERTS_COUNTS empty): no kernels for them
+            return
+        ids = topk_ids.reshape(-1).long()
+        self.live[layer].index_add_(0, ids, torch.ones_like(ids))
+
+    def serving(self) -> None:
+        """Before the first real step: forget the dummy steps' routing."""
+        if self.saved_at is None:
+            for t in self.live.values():
+                t.zero_()
+            self.saved_at = time.monotonic()
+
+    def maybe_save(self, top_k: int) -> None:
+        if self.path is None or self.saved_at is None or time.monotonic() - self.saved_at < self.every_s:
+            return
+        self.saved_at = time.monotonic()
+        layers = sorted(self.live)
+        live = torch.stack([self.live[layer] for layer in layers]).tolist()  # one sync, once a period
+        counts = dict(self.base)
+        for layer, row in zip(layers, live):
+            old = self.base.get(str(layer), [0] * len(row))
+            counts[str(layer)] = [a + b for a, b in zip(old, row)] if len(old) == len(row) else row
+        tokens = max((sum(row) for row in counts.values()), default=0) // max(top_k, 1)
+        tmp = f"{self.path}.{os.getpid()}"
+        try:  # counts help the next start; a full or read-only cache must not stop serving
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump({"tokens": tokens, "top_k": top_k, "counts": counts}, f)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("experts: routing counts not saved to %s: %s", self.path, e)
+            self.path = None
+
+class Client(RegionClient):
+    """The main stage's session with its CPU pod: the region its loader fills, the manifest, the hand-over."""
+    server = "strategy experts: the expert server"
+
+    def __init__(self, remote: dict[int, list[int]], max_rows: int = DEFAULT_MAX_ROWS, device: str = "cpu"):
+        super().__init__()
+        self.remote, self.max_rows, self.device = remote, max_rows, device
+        self.layers: dict[int, Held] = {}
+        self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
+        self.side: CpuSide | GpuSide | None = None
+        self.dtype = self.top_k = self.hidden = None
+        self.counts = RoutingCounts(None)
+        # large steps on CUDA: the next layer's remote experts copied in on a side stream while this one computes
+        self.copy_stream = None
+        self.staged: tuple[int, list[torch.Tensor], object] | None = None
+
+    def open_weights(self, nbytes: int) -> str:
+        return super().open_weights(nbytes, page_lock=self.device == "cuda")  # large steps copy from it
+
+    @staticmethod
+    def region_bytes(count: int, w13_shape, w2_shape, dtype: torch.dtype) -> int:
+        """A region holding `count` experts of these shapes, each tensor 4 KiB aligned."""
+        one = sum(hostmem.round_up(s[0] * s[1] * dtype.itemsize, 4096) for s in (w13_shape, w2_shape))
+        return count * one
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        if (room := self.room(like)) is None:
+            raise RuntimeError(f"strategy experts: the remote experts need more than the {self.wbytes} bytes "
+                               f"of the region ({BYTES_ENV})")
+        return room
+
+    def hold(self, layer: int, w13_shape, w2_shape, dtype: torch.dtype, top_k: int, num_experts: int) -> Held:
+        """Region storage for layer's remote experts (the loader writes them in place); the layer's routing counted."""
+        self.dtype, self.top_k, self.hidden = dtype, top_k, w13_shape[1]
+        self.counts.track(layer, num_experts, self.device)
+        ids = self.remote[layer]
+        # each layer's experts back to back, so the server can pack them for its grouped kernel in place
+        w13, w2 = (self.take(torch.empty(len(ids), *shape, dtype=dtype, device="meta")) for shape in (w13_shape, w2_shape))
+        self.layers[layer] = Held(ids, (w13, w2))
+        return self.layers[layer]
+
+    def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self.layers[layer]
+        return held.weights[held.ids.index(gid)]
+
+    def publish(self) -> int:
+        """Tell the CPU pod where each remote expert's weights are; map the io region it returns. Its threads."""
+        base = self.flat.data_ptr()
+        loc = lambda t: [t.data_ptr() - base, *t.shape]
+        reply, self.io_map, nbytes = self._ask_region({
+            "dtype": str(self.dtype).removeprefix("torch."), "max_rows": self.max_rows, "top_k": self.top_k,
+            "hidden": self.hidden,
+            "layers": [{"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
+                                                    for e, (w13, w2) in zip(h.ids, h.weights)]}
+                       for layer, h in sorted(self.layers.items())]})
+        for layer, kernel in reply.get("packed", {}).items():
+            self.layers[int(layer)].packed = kernel
+        raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
+        io = IoViews(raw, IoLayout(self.max_rows, self.hidden, self.top_k, self.dtype.itemsize), self.dtype)
+        if self.device == "cuda":
+            from ...cpupod import memops
+            memops.register(raw.data_ptr(), nbytes)
+            self.side = GpuSide(io)
+        else:
+            self.side = CpuSide(io, alive=lambda: not closed(self.sock))
+        return reply["threads"]
+
+    def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A large step's remote experts, computed by the main stage from the region. On CUDA they are copied in for
+        this step only, the next layer's while this one computes (a double buffer, as vLLM's prefetch offloader)."""
+        held = self.layers[layer]
+        if x.device.type != "cuda":
+            return compute(x, ids, weights, held.plain(x.device), held.ids)
+        staged, self.staged = self.staged, None
+        if staged is not None and staged[0] == layer:
+            torch.cuda.current_stream().wait_event(staged[2])
+            stacks = staged[1]
+        else:  # the step's first layer (or a step cut short): copied now, on this stream
+            stacks = held.copy_to(x.device)
+        following = min((n for n in self.layers if n > layer), default=None)
+        if following is not None:
+            self.staged = self.prefetch(following, x.device)
+        return compute(x, ids, weights, held.unpacked(stacks), held.ids)
+
+    def prefetch(self, layer: int, device: torch.device) -> tuple[int, list[torch.Tensor], object]:
+        """Start copying layer's remote experts in on the side stream: (layer, the copies, their event)."""
+        main = torch.cuda.current_stream()
+        self.copy_stream = self.copy_stream or torch.cuda.Stream()
+        stacks = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.layers[layer].stacks]
+        self.copy_stream.wait_stream(main)  # their memory is free on the main stream by now
+        with torch.cuda.stream(self.copy_stream):
+            for dst, src in zip(stacks, self.layers[layer].stacks):
+                dst.copy_(src, non_blocking=True)
+                dst.record_stream(self.copy_stream)  # freed unused (a step cut short): not reused mid-copy
+            done = torch.cuda.Event()
+            done.record()
+        return layer, stacks, done
+
+    def moe_remote(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """y: the weighted sum of layer's remote experts over x's tokens (the main stage adds it to its own)."""
+        return self.moe(layer, x, topk_weights, topk_ids, local=lambda *_: 0)
+
+    def moe(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            local: Callable | None = None) -> torch.Tensor:
+        """The whole layer: the CPU pod computes the remote experts while the main stage computes its own (`local`,
+        default the layer's: f(x, topk_weights, topk_ids))."""
+        rows, local = x.shape[0], local or self.local[layer]
+        self.counts.add(layer, topk_ids)
+        if self.side is None:
+            raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
+                               "BaseModelLoader.load_model?)")
+        if not 0 < rows <= self.max_rows:
+            return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
+        self.side.submit(layer, x, topk_ids, topk_weights)
+        out = local(x, topk_weights, topk_ids)
+        return out + self.side.collect(layer, rows)
+
+CLIENT: Client | None = None
+
+def client_from_env(device: str, env=os.environ) -> Client:
+    """The process's client, connected on first use (the first MoE layer with remote experts)."""
+    global CLIENT
+    if CLIENT is None:
+        client = Client(parse_placement(env.get(REMOTE_ENV, "")), int(env.get(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)), device)
+        client.counts = RoutingCounts(env.get(COUNTS_ENV) or None, float(env.get(COUNTS_EVERY_ENV, 60)))
+        client.connect(env[SOCKET_ENV])
+        CLIENT = client
+    return CLIENT
+
+@torch.library.custom_op("hybrid::experts_moe", mutates_args=())
+def experts_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    # opaque to torch.compile; under CUDA graphs its memops and kernels are captured and replayed
+    return CLIENT.moe(layer, x, topk_weights, topk_ids)
+
+@experts_moe.register_fake
+def _(x, topk_weights, topk_ids, layer):
+    return torch.empty_like(x)

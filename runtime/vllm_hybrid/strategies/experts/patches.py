@@ -1,0 +1,160 @@
+"""strategy experts' changes to vLLM, in the main stage's worker: the remote experts loaded into the CPU pod's
+region and computed there (client.py)."""
+from __future__ import annotations
+
+import functools
+import os
+
+from .io import BYTES_ENV, REMOTE_ENV, SOCKET_ENV, parse_placement
+
+
+def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str | None:
+    # strategy experts (client.py), in the main stage: some routed experts of each MoE layer live in the CPU pod.
+    # - vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.__init__: before its weights are created,
+    #   the layer's ExpertMapManager gets the map its expert-parallel path builds for a rank (global id -> local
+    #   index, -1 elsewhere; with ep_size 1 it builds none), the remote experts being the -1s: create_weights makes
+    #   room for the local experts only, and the weight loader and the fused kernels skip the others. After it,
+    #   room for the remote experts in the CPU pod's region (connecting on the first such layer).
+    # - RoutedExperts.weight_loader: upstream drops an expert the map says is not local; a remote one is written
+    #   into its room in the region instead, with upstream's own w1/w3 (halves of w13) and w2 shard helpers.
+    # - base_loader.BaseModelLoader.load_model: once the weights are in, the manifest goes to the CPU pod.
+    # - gpu_worker.Worker.execute_model (CPUWorker inherits it): the routing counts start at the first real step
+    #   (warm-up and graph capture route dummy tokens) and are saved for the next start's placement now and then.
+    # - UnquantizedFusedMoEMethod.apply (the modular path, CUDA: called with the router's top-k in global ids) and
+    #   .apply_monolithic (the CPU backend, which routes inside; routed here with its own select_experts): such
+    #   layers go through the opaque op client.experts_moe, which hands the remote experts' tokens to the CPU pod,
+    #   computes the local experts as upstream does (CPU: upstream's kernels take no expert map, so local indexes
+    #   with the remote slots weighted 0) and adds the CPU pod's y.
+    import torch
+    from vllm.logger import init_logger
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
+
+    from . import client as side
+    logger = init_logger("vllm.hybrid.patches")
+    cls, method_cls = routed_experts.RoutedExperts, unquantized.UnquantizedFusedMoEMethod
+    original_init, original_loader = cls.__init__, cls.weight_loader
+    original_apply, original_monolithic = method_cls.apply, method_cls.apply_monolithic
+    original_load_model = base_loader.BaseModelLoader.load_model
+    device = "cpu" if current_platform.is_cpu() else "cuda"
+    placement = parse_placement(os.environ.get(REMOTE_ENV, ""))
+
+    def refuse(what: str):
+        raise NotImplementedError(f"strategy experts: {what} is not supported yet")
+
+    @functools.wraps(original_init)
+    def __init__(self, layer_name, params_dtype, moe_config, quant_config, expert_map_manager, *args, **kwargs):
+        try:
+            layer = extract_layer_index(layer_name)
+        except (AssertionError, ValueError):
+            layer = None
+        remote = placement.get(layer)
+        if remote:
+            if quant_config is not None or moe_config.has_bias or moe_config.moe_parallel_config.use_ep:
+                refuse(f"{layer_name}: a quantized, biased or expert-parallel MoE layer")
+            count, emap = side.expert_map(moe_config.num_experts, remote)
+            expert_map_manager._local_num_experts, expert_map_manager._expert_map = count, emap
+            moe_config.num_local_experts = count
+        original_init(self, layer_name, params_dtype, moe_config, quant_config, expert_map_manager, *args, **kwargs)
+        if not remote:
+            return
+        backend = self.quant_method.unquantized_backend.name
+        if backend not in ("CPU", "TRITON") or self.apply_router_weight_on_input:
+            refuse(f"{layer_name}: vLLM's {backend} MoE kernels (they take no expert map; the Triton ones do), or "
+                   "router weights on the input")
+        client = side.client_from_env(device)
+        w13, w2 = tuple(self.w13_weight.shape[1:]), tuple(self.w2_weight.shape[1:])
+        if not hasattr(client, "flat"):  # the first layer with remote experts: the region for them all
+            need = client.region_bytes(sum(map(len, placement.values())), w13, w2, self.w13_weight.dtype)
+            where = client.open_weights(int(os.environ.get(BYTES_ENV) or need))
+            logger.info("experts: remote experts' weights go to the CPU pod's region, %s", where)
+        client.hold(layer, w13, w2, self.w13_weight.dtype, self.top_k, moe_config.num_experts)
+        client.local[layer] = functools.partial(local_experts, self)
+        self._hybrid_layer = layer
+
+    def local_experts(layer, x, topk_weights, topk_ids):
+        method = layer.quant_method
+        if device == "cuda":
+            return original_apply(method, layer, x, topk_weights, topk_ids, None, None)
+        local = layer.expert_map[topk_ids.long()]
+        ids, weights = side.local_topk(local, layer.local_num_experts), torch.where(local >= 0, topk_weights, 0.0)
+        # upstream's CPU kernel object (CPUFusedMOE / SGLFusedMOE) routes first: a routing function returning ours
+        return method.cpu_fused_moe(layer, x, use_grouped_topk=False, top_k=layer.top_k, router_logits=None,
+                                    renormalize=False, global_num_experts=layer.local_num_experts,
+                                    custom_routing_function=lambda **_: (weights, ids), activation=layer.activation)
+
+    @functools.wraps(original_loader)
+    def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        layer = getattr(self, "_hybrid_layer", None)
+        if (layer is None or loaded_weight.ndim != 2 or (param is not self.w13_weight and param is not self.w2_weight)
+                or self._map_global_expert_id_to_local_expert_id(expert_id) != -1):
+            return original_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+        w13, w2 = side.CLIENT.expert(layer, expert_id)
+        if shard_id == "w2":
+            self._load_w2(expert_data=w2, shard_dim=1, loaded_weight=loaded_weight, tp_rank=self.moe_config.tp_rank)
+        else:
+            self._load_w13(expert_data=w13, shard_dim=0, shard_id=shard_id, loaded_weight=loaded_weight,
+                           tp_rank=self.moe_config.tp_rank)
+        return True if return_success else None
+
+    @functools.wraps(original_load_model)
+    def load_model(self, *args, **kwargs):
+        model = original_load_model(self, *args, **kwargs)
+        client = side.CLIENT
+        if client is not None and client.side is None:
+            threads = client.publish()
+            logger.info("experts: %d remote experts of %d MoE layers (%.2f GB) computed by the CPU pod (%d threads) "
+                        "for steps of up to %d tokens", sum(len(h.ids) for h in client.layers.values()),
+                        len(client.layers), client.used / 1e9, threads, client.max_rows)
+        return model
+
+    @functools.wraps(original_apply)
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        key = getattr(layer, "_hybrid_layer", None)
+        if key is None:
+            return original_apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        if shared_experts is not None:  # what upstream's modular kernel does with them: run them here only if they
+            from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder  # overlap it
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)  # (else the runner does)
+        return torch.ops.hybrid.experts_moe(x, topk_weights, topk_ids, key)
+
+    @functools.wraps(original_monolithic)
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        key = getattr(layer, "_hybrid_layer", None)
+        if key is None:
+            return original_monolithic(self, layer, x, router_logits, input_ids)
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts
+        topk_weights, topk_ids = select_experts(  # what upstream's CPU kernel object does first
+            x, router_logits, layer.top_k, layer.use_grouped_topk, layer.renormalize, layer.topk_group,
+            layer.num_expert_group, layer.custom_routing_function, layer.scoring_func, layer.routed_scaling_factor,
+            layer.e_score_correction_bias)
+        return torch.ops.hybrid.experts_moe(x, topk_weights, topk_ids, key)
+
+    step_original = gpu_worker.Worker.execute_model
+
+    @functools.wraps(step_original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        client = side.CLIENT
+        if client is None:
+            return step_original(self, scheduler_output, *args, **kwargs)
+        client.counts.serving()
+        out = step_original(self, scheduler_output, *args, **kwargs)
+        client.counts.maybe_save(client.top_k)
+        return out
+
+    cls.__init__, cls.weight_loader = __init__, weight_loader
+    method_cls.apply, method_cls.apply_monolithic = apply, apply_monolithic
+    gpu_worker.Worker.execute_model = execute_model
+    base_loader.BaseModelLoader.load_model = load_model
+    return ("RoutedExperts.__init__/weight_loader + UnquantizedFusedMoEMethod.apply(_monolithic) + "
+                   "BaseModelLoader.load_model + Worker.execute_model(experts: remote experts in the CPU pod's region, computed there)")
+
+
+def apply() -> list[str]:
+    """In the main stage's worker of an experts pipeline (the launcher gives it the expert server's socket)."""
+    if not os.environ.get(SOCKET_ENV):
+        return []
+    from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
+    from vllm.model_executor.model_loader import base_loader
+    from vllm.v1.worker import gpu_worker
+    return [patch_experts(routed_experts, unquantized_fused_moe_method, base_loader, gpu_worker)]

