@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="GPU memory to take before listening, kept in torch's cache for the weight rings")
     args = p.parse_args(argv)
     if args.cpus:
-        from .cpubind import parse_cpulist
+        from ...cpubind import parse_cpulist
         os.sched_setaffinity(0, parse_cpulist(args.cpus))
     device = torch.device(args.device)
     if device.type == "cuda":
