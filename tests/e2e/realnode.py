@@ -22,6 +22,7 @@ NODE_SCRIPTS = Path(os.environ.get("HYBRID_NODE_DIR", ROOT.parent / "shared" / "
 CACHE = Path(os.environ.get("HYBRID_E2E_CACHE", Path.home() / ".cache" / "hybrid-inference-e2e"))
 IMAGE_PREFIX = "localhost/hybrid-inference/"
 BUILD_LABEL = "hybrid.inference.dev/build"
+BASE_IMAGE = "docker.io/library/python:3.11.14-slim-bookworm"  # ../shared/node/base-image.sh's stand-in
 
 
 def unavailable_reason() -> str | None:
@@ -88,16 +89,23 @@ class RealNode:
         sock = CACHE / "node" / "containerd" / "containerd.sock"
         return run(["ctr", "--address", str(sock), "-n", "k8s.io", *args], timeout=timeout)
 
+    def base_image(self) -> str:
+        """../shared/node's stand-in python base image in buildah's store (once per node); its name."""
+        if not getattr(self, "_base_loaded", False):
+            base = CACHE / "python-base.tar"
+            for _ in range(1 if base.exists() else 2):
+                # a second call loads the tar it just wrote: the base's ID every later run will see, so the
+                # layers built now stay valid (the image as first built has another ID)
+                run(["bash", str(NODE_SCRIPTS / "base-image.sh"), str(base)], timeout=900)
+            self._base_loaded = True
+        return BASE_IMAGE
+
     def load_image(self, name: str) -> dict[str, float | str]:
         """`make images`' build of images/NAME (cached layers make a rebuild of nothing quick), then into
         the node's containerd unless it holds this very build already. Returns what it took."""
         ref = f"{IMAGE_PREFIX}{name}:dev"
         t0 = time.monotonic()
-        base = CACHE / "python-base.tar"
-        for _ in range(1 if base.exists() else 2):
-            # a second call loads the tar it just wrote: the base's ID every later run will see, so the
-            # layers built now stay valid (the image as first built has another ID)
-            run(["bash", str(NODE_SCRIPTS / "base-image.sh"), str(base)], timeout=900)
+        self.base_image()
         log = run(["bash", str(ROOT / "scripts" / "images.sh"), name],
                   {**os.environ, "IMAGE_PREFIX": IMAGE_PREFIX, "IMAGE_TAG": "dev",
                    "IMAGE_BUILDER": "buildah", "IMAGE_BUILD_OPTS": "--pull=never"}, timeout=3000)

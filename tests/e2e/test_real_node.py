@@ -55,18 +55,15 @@ def node(tmp_path_factory):
         n.down()
 
 
-BASE_IMAGE = "docker.io/library/python:3.11.14-slim-bookworm"  # ../shared/node/base-image.sh's stand-in
-
-
 @pytest.fixture(scope="module")
 def images(node):
     """Built as `make images` builds them, on a store that already holds other images by the same short names
     (docker.io/hybrid-inference/NAME:dev: the base image, no operator in it): the build must not pick those up."""
-    names = ("operator", "runtime-cpu")
+    names, base = ("operator", "runtime-cpu"), node.base_image()
     for name in names:
-        realnode.run(["buildah", "tag", BASE_IMAGE, f"docker.io/hybrid-inference/{name}:dev"])
+        realnode.run(["buildah", "tag", base, f"docker.io/hybrid-inference/{name}:dev"])
     built = {name: node.load_image(name) for name in names}
-    decoy = realnode.run(["buildah", "images", "--noheading", "--no-trunc", "--format", "{{.ID}}", BASE_IMAGE]).split()
+    decoy = realnode.run(["buildah", "images", "--noheading", "--no-trunc", "--format", "{{.ID}}", base]).split()
     for name in names:
         assert built[name]["ref"] == f"localhost/hybrid-inference/{name}:dev"
         assert built[name]["id"] not in {d.removeprefix("sha256:") for d in decoy}, built[name]
