@@ -128,6 +128,12 @@ def build_stage(args, env: dict[str, str]):
     log.info(strategy_line(plan, lay, estimates))
     if not split.stages[ident.stage].fit_checked:  # a gpu stage of explicit layers, no GPU memory in the plan
         check_this_gpu(plan, shape, ident.stage, lay.strategy)
+    if ident.stage in lay.stages and plan.stages[ident.stage].is_cpu:  # this CPU computes layers in the checkpoint's format
+        from .formats import cpu_flags, cpu_refusal
+        if why := cpu_refusal(shape.weight_format, cpu_flags()):
+            raise PlanError(f"stages[{ident.stage}] ({plan.stages[ident.stage].name}): {why}: put its layers on gpu "
+                            "stages (strategy offload streams them from this memory) or serve a W4A16 or INT8 "
+                            "checkpoint")
     if ident.stage not in lay.stages:  # no vLLM here: the strategy's own server (coprocessor's), else nothing
         server = get(lay.strategy).server(plan, lay, ident, env)
         if server is None:

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .formats import WeightFormat, plain, weight_format
 from .plan import Plan, PlanError, Stage
 
 GiB = 1 << 30
@@ -73,10 +74,37 @@ class ModelShape:
     mlp_bias: bool = False  # gate_up's and down's (dense MLPs only)
     qk_norm: bool = False   # a head_dim-wide RMSNorm of q and of k (Qwen3)
     norms: int = 2          # hidden-wide norms: before attention and MLP (Gemma-2: after each too)
+    fmt: WeightFormat | None = None  # the checkpoint's quantization (formats.py); None: every weight in `dtype`
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return self.fmt or plain(self.dtype)
+
+    def _bytes(self, rows: int, cols: int, role: str | None) -> int:
+        """A weight's bytes: in the checkpoint's format where its product is quantized, else in `dtype`."""
+        fmt = self.weight_format
+        if role is not None and role in fmt.quantized_roles:
+            return fmt.bytes(rows, cols, self.dtype_bytes)
+        return rows * cols * self.dtype_bytes
+
+    @property
+    def layer_parts(self) -> list[tuple[int, int, str | None, int]]:
+        """(rows, cols, product, count) of each weight of a layer as vLLM holds it: fused qkv, o, gate_up and down
+        (one tensor over every expert in a mixture of experts), the norms, the biases, the router (product None:
+        never quantized)."""
+        h, hd, i, s = self.hidden, self.head_dim, self.intermediate, self.shared
+        q_kv = (self.heads + 2 * self.kv_heads) * hd
+        e, mlp = (self.experts, ("experts", "experts")) if self.experts else (1, ("gate_up", "down"))
+        return ([(q_kv, h, "qkv", 1), (h, self.heads * hd, "o", 1), (e * 2 * i, h, mlp[0], 1), (e * h, i, mlp[1], 1)]
+                + [(h, 1, None, self.norms)] + ([(q_kv, 1, None, 1)] if self.qkv_bias else [])
+                + ([(h, 1, None, 1)] if self.o_bias else []) + ([(2 * i, 1, None, 1), (h, 1, None, 1)] if self.mlp_bias else [])
+                + ([(hd, 1, None, 2)] if self.qk_norm else []) + ([(self.experts, h, None, 1)] if self.experts else [])
+                + ([(2 * s, h, "shared_expert", 1), (h, s, "shared_expert", 1)] if s else [])
+                + ([(h, 1, None, 1)] if self.shared_gate else []))
 
     @property
     def layer_tensors(self) -> list[int]:
@@ -92,7 +120,12 @@ class ModelShape:
 
     @property
     def layer_bytes(self) -> int:
-        return sum(self.layer_tensors) * self.dtype_bytes
+        return sum(count * self._bytes(rows, cols, role) for rows, cols, role, count in self.layer_parts)
+
+    @property
+    def layer_elems(self) -> int:
+        """Weights of a layer (what a token multiplies, dense): the flops of a step, whatever their format."""
+        return sum(self.layer_tensors)
 
     @property
     def expert_elems(self) -> int:
@@ -100,9 +133,17 @@ class ModelShape:
         return 3 * self.intermediate * self.hidden if self.experts else 0
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert in the checkpoint's format; 0 for a dense model."""
+        if not self.experts:
+            return 0
+        return self._bytes(2 * self.intermediate, self.hidden, "experts") + self._bytes(self.hidden, self.intermediate,
+                                                                                        "experts")
+
+    @property
     def layer_expert_bytes(self) -> int:
         """Bytes of all a layer's experts (the 3-D weights no product split reaches); 0 for a dense model."""
-        return self.experts * self.expert_elems * self.dtype_bytes
+        return self.experts * self.expert_bytes
 
     @property
     def active_layer_elems(self) -> int:
@@ -115,7 +156,7 @@ class ModelShape:
         if not self.experts:
             return 0
         unread = self.experts * (1 - self.routed / self.experts) ** tokens
-        return round(self.layer_expert_bytes - unread * self.expert_elems * self.dtype_bytes)
+        return round(self.layer_expert_bytes - unread * self.expert_bytes)
 
     def layer_read_bytes(self, tokens: int) -> int:
         """Bytes a step of `tokens` tokens reads from a layer held in memory."""
@@ -125,7 +166,8 @@ class ModelShape:
     def pinned_layer_bytes(self) -> int:
         """Host RAM a layer takes as the prefetch offloader's pinned copies: torch's pinned-memory allocator
         (CachingHostAllocator) rounds each tensor up to a power of two (a 70B layer: 1.88 GiB for 1.59)."""
-        return sum(_power_of_two(n * self.dtype_bytes) for n in self.layer_tensors)
+        return sum(count * _power_of_two(self._bytes(rows, cols, role)) for rows, cols, role, count in self.layer_parts
+                   if count)  # (a quantized weight's scales are tensors of their own: counted with it, a little over)
 
     @property
     def embedding_bytes(self) -> int:
@@ -213,7 +255,7 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
             architecture=arch, num_layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
             kv_heads=int(text.get("num_key_value_heads") or heads), vocab=int(text["vocab_size"]),
             tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            dtype=dtype, **layout)
+            dtype=dtype, fmt=weight_format(config, dtype), **layout)
     except KeyError as e:
         raise PlanError(f"model: config.json lacks {e.args[0]}") from e
 
@@ -280,7 +322,8 @@ class Split:
     def describe(self) -> str:
         shape, rows = self.shape, []
         moe = f", {shape.experts} experts" if shape.experts else ""
-        rows.append(f"model: {shape.architecture}{moe}, {shape.num_layers} layers, {shape.dtype}, "
+        rows.append(f"model: {shape.architecture}{moe}, {shape.num_layers} layers, "
+                    f"{shape.weight_format.describe(shape.dtype)}, "
                     f"{shape.layer_bytes / GiB:.3f} GiB/layer, embedding {shape.embedding_bytes / GiB:.3f} GiB, "
                     f"KV {shape.kv_bytes_per_token_per_layer} B/token/layer")
         for sp in self.stages:

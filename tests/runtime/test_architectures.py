@@ -122,6 +122,42 @@ CONFIGS = {
 }
 
 
+# the quantization_config of real checkpoints of those models, as their config.json publishes it
+W4A16_CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                      "group_size": 128, "symmetric": True, "dynamic": False}}}}
+W8A8_CT = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+           "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                                         "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
+                                                     "symmetric": True, "dynamic": False},
+                                         "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                                               "symmetric": True, "dynamic": True}}}}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,  # as GPTQModel writes it
+        "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                                         ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]}
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+QUANTIZED = {  # name: (a model of CONFIGS, its quantization_config)
+    "Llama-3.1-8B W4A16 compressed-tensors": ("Llama-3.1-8B", W4A16_CT),
+    "Llama-3.1-8B W8A8 INT8": ("Llama-3.1-8B", W8A8_CT),
+    "Llama-3.1-8B GPTQ": ("Llama-3.1-8B", GPTQ),
+    "Qwen2.5-7B AWQ": ("Qwen2.5-7B", AWQ),
+    "Mixtral-8x7B GPTQ": ("Mixtral-8x7B", {**GPTQ, "modules_in_block_to_quantize": [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+        ["block_sparse_moe.experts.0.w1", "block_sparse_moe.experts.0.w3"], ["block_sparse_moe.experts.0.w2"]]}),
+    "Llama-3.1-8B FP8 block-128": ("Llama-3.1-8B", FP8_BLOCK),
+    "Qwen3-30B-A3B FP8 block-128": ("Qwen3-30B-A3B", FP8_BLOCK),  # as Qwen3-30B-A3B-FP8 ships
+    "Qwen3-235B-A22B FP8 block-128": ("Qwen3-235B-A22B", FP8_BLOCK),
+    "Qwen3-30B-A3B W4A16 compressed-tensors": ("Qwen3-30B-A3B", {**W4A16_CT, "ignore": ["lm_head", "re:.*mlp.gate$"]}),
+}
+
+
+def quantized(name: str) -> dict:
+    model, q = QUANTIZED[name]
+    return {**CONFIGS[model], "quantization_config": q}
+
+
 def cut(config: dict) -> dict:
     return {**config, "num_hidden_layers": LAYERS}
 
@@ -143,6 +179,9 @@ def measure(work: Path) -> None:
     # the registry inspects each model class in a subprocess of its own (~10 s each, to keep CUDA out of the
     # caller): this CPU-only process can do it in place
     registry._run_in_subprocess = lambda fn: fn()
+    # vLLM's CPU FP8 kernel is chosen as the layers are built and needs AMX, which this CPU may lack: the layers'
+    # parameters are what is measured here (on meta), whichever CPU builds them
+    torch.cpu._is_amx_tile_supported = lambda: True
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):  # no model: with an EP group
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{work}/dist-store")
@@ -152,7 +191,7 @@ def measure(work: Path) -> None:
         info = registry.ModelRegistry._try_inspect_model_cls(arch)  # None: not registered, or its module won't import
         figures["registry"][arch] = {"registered": arch in registry.ModelRegistry.models, **(info and {
             k: getattr(info, k) for k in ("is_hybrid", "is_attention_free", "supports_pp")} or {})}
-    for i, (name, config) in enumerate(CONFIGS.items()):
+    for i, (name, config) in enumerate({**CONFIGS, **{q: quantized(q) for q in QUANTIZED}}.items()):
         model_dir = work / f"model-{i}"
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(cut(config)))
@@ -193,6 +232,23 @@ def test_the_planner_sizes_layers_kv_and_the_whole_model_as_vllm_builds_them(vll
                           "stages": [{"name": "c", "device": "cpu", "cpus": 1, "memory": "1000Gi"}]})
     assert split_layers(one, shape).stages[0].weight_bytes == got["model_bytes"], why
     assert [shape.kv_bytes_per_token_per_layer] * LAYERS == [per_token for _, per_token in got["kv"]]
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_checkpoints_are_sized_from_their_quantization_config(vllm_figures, name):
+    """A quantized checkpoint's layers, by the format its quantization_config gives, within 1% of what vLLM builds (the
+    rest: GPTQ's g_idx, a MoE kernel's sort indices, compressed-tensors' weight_shape, attention's scale scalars)."""
+    got, shape = vllm_figures["models"][name], model_shape(cut(quantized(name)))
+    plain = model_shape(cut(CONFIGS[QUANTIZED[name][0]]))
+    assert shape.weight_format.quantized and any(w in shape.weight_format.name for w in name.split()[1:]), shape.fmt
+    assert shape.layer_bytes < 0.6 * plain.layer_bytes  # what sizing by torch_dtype got wrong
+    for layer in got["layer_bytes"]:
+        assert abs(shape.layer_bytes / layer - 1) < 0.01, (name, shape.layer_bytes, layer, got["layer_params"])
+    one = plan_from_dict({"model": "/m", "max_model_len": 1024,
+                          "stages": [{"name": "c", "device": "cpu", "cpus": 1, "memory": "1000Gi"}]})
+    assert abs(split_layers(one, shape).stages[0].weight_bytes / got["model_bytes"] - 1) < 0.01
+    if shape.experts:  # a routed expert, as the experts strategy places them
+        assert shape.expert_bytes * shape.experts < shape.layer_bytes
 
 
 def test_every_accepted_architecture_is_measured_and_vllm_runs_it_with_a_kv_cache_per_layer(vllm_figures):

@@ -13,6 +13,16 @@ from ..plan import Plan, PlanError
 from ..planner import BudgetRules, ModelShape, Split
 from .cost import NO_COST, Hardware, StageCost, Workload, lm_head_bytes
 
+
+def unquantized(shape: ModelShape) -> str | None:
+    """Why a strategy whose CPU kernels read plain weights refuses a quantized checkpoint (None: it is not one)."""
+    fmt = shape.weight_format
+    if not fmt.quantized:
+        return None
+    return (f"unquantized weights (bf16, fp16 or fp32): its CPU pod computes from plain weights, and this checkpoint "
+            f"is {fmt.name} ({fmt.method}); use strategy pipeline or offload")
+
+
 # why balanced and coprocessor refuse a replica whose stages do not share /dev/shm
 SHARED_SHM = "the stages of a replica to share /dev/shm (sharedMemory.mode hostPath): the cpu and gpu stages meet there"
 
@@ -154,7 +164,7 @@ class Strategy(BudgetRules):
         if stage.is_cpu:
             # every weight, every expert included
             weights = n * shape.layer_bytes + lm_head_bytes(shape, lay, k)
-            flops = plan.max_num_batched_tokens * 2 * weights / shape.dtype_bytes
+            flops = plan.max_num_batched_tokens * 2 * (n * shape.layer_elems + lm_head_bytes(shape, lay, k) / shape.dtype_bytes)
             return (weights / (hw.dram_gbs * 1e9 * hw.cpu_decode_efficiency)
                     + flops / ((stage.cpus or 1) * hw.cpu_prefill_tflops_per_core * 1e12))
         if lay.offload_bytes[k]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...plan import Plan
 from ...planner import GiB, ModelShape, Split
-from ..base import SHARED_SHM, Layout, StageExtras, Strategy, shm_socket
+from ..base import SHARED_SHM, Layout, StageExtras, Strategy, shm_socket, unquantized
 from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, lm_head_bytes
 from ..streaming import streaming_gpu
 from .io import HELPER_RING_SLOTS, RATES_ENV, SOCKET_ENV, Rates
@@ -59,6 +59,9 @@ class Balanced(Strategy):
 
     def refused(self, plan: Plan, shared_shm: bool) -> str | None:
         return None if shared_shm else SHARED_SHM  # a cpu stage hands its weights to the helper there
+
+    def refused_model(self, shape: ModelShape) -> str | None:
+        return unquantized(shape)  # its split GEMMs (the CPU's rows and the helper's) take plain weights only
 
     def beside_vllm_bytes(self, plan: Plan, shape: ModelShape, gpu: int) -> int:
         return helper_gpu_bytes(plan, shape, gpu)

@@ -5,8 +5,8 @@ instead of vLLM on the CPU stage; the GPU side is client.py and patches.py). Pro
 from __future__ import annotations
 
 from ...plan import Plan
-from ...planner import Split
-from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
+from ...planner import ModelShape, Split
+from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket, unquantized
 from ..cost import NO_COST, Hardware, StageCost, Workload
 from ..streaming import OFFLOADERS, prefetch_cost, prefetch_flags, streamed_layout, streaming_gpu
 from .io import BYTES_ENV, SOCKET_ENV
@@ -34,6 +34,9 @@ class Coprocessor(Strategy):
             return ("one cpu stage per gpu stage (a gpu stage streams from one cpu stage's region); merge the cpu "
                     "stages or put a gpu stage before each")
         return None
+
+    def refused_model(self, shape: ModelShape) -> str | None:
+        return unquantized(shape)  # its product server and the GPU's row split take plain weights only
 
     def layout(self, plan: Plan, split: Split) -> Layout:
         self.require_gpu(plan)

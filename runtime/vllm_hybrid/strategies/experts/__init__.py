@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ...plan import Plan, PlanError
 from ...planner import ModelShape, Split, stage_budget
-from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
+from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket, unquantized
 from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
 from ..streaming import prefetch_cost
 from .io import (
@@ -85,7 +85,7 @@ def experts_socket(env: dict[str, str], replica: int, cpu_stage: int) -> str:
 
 
 def expert_bytes(shape: ModelShape) -> int:
-    return shape.expert_elems * shape.dtype_bytes
+    return shape.expert_bytes
 
 
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:
@@ -137,7 +137,10 @@ class Experts(Strategy):
         return None
 
     def refused_model(self, shape: ModelShape) -> str | None:
-        return None if shape.experts else f"a mixture-of-experts model ({shape.architecture} has no routed experts)"
+        if not shape.experts:
+            return f"a mixture-of-experts model ({shape.architecture} has no routed experts)"
+        # vLLM's quantized MoE methods are not split between its device and the CPU pod yet
+        return unquantized(shape)
 
     def layout(self, plan: Plan, split: Split) -> Layout:
         if not split.shape.experts:
@@ -182,7 +185,7 @@ class Experts(Strategy):
         if c > DEFAULT_MAX_ROWS:
             return stream
         read = remote * (1 - (1 - shape.routed / shape.experts) ** c)
-        flops_per_token = 2 * remote / shape.dtype_bytes * shape.routed / shape.experts
+        flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
         return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency)
                          + shape.num_layers * hw.coproc_call_s,

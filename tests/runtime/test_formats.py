@@ -1,0 +1,119 @@
+"""Quantized checkpoints: the format a quantization_config names (or a clear refusal), which strategies take it
+(the others are refused by name, and `auto` leaves them out), and a CPU stage that cannot compute it refused at its
+start. How many bytes each format takes is checked against vLLM's own layers in test_architectures.py."""
+import argparse
+import json
+
+import pytest
+from test_architectures import AWQ, FP8_BLOCK, GPTQ, W4A16_CT, W8A8_CT
+from test_planner import LLAMA_8B
+from vllm_hybrid.formats import cpu_flags, cpu_refusal, weight_format
+from vllm_hybrid.plan import PlanError, plan_from_dict
+from vllm_hybrid.planner import model_shape, split_layers
+from vllm_hybrid.strategies import resolve, resolve_split
+from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+
+
+@pytest.mark.parametrize("q,name,quantized", [
+    (FP8_BLOCK, "FP8 block-128", {"qkv", "o", "gate_up", "down", "experts", "shared_expert"}),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "FP8 per-tensor", None),
+    (W4A16_CT, "W4A16 compressed-tensors group 128", None),
+    (W8A8_CT, "W8A8 INT8", None),
+    (GPTQ, "W4A16 GPTQ group 128", {"qkv", "o", "gate_up", "down", "experts"}),  # the modules it lists
+    (AWQ, "W4A16 AWQ group 128", None),
+    ({**AWQ, "modules_to_not_convert": ["self_attn"]}, "W4A16 AWQ group 128",  # vLLM: substrings of the name
+     {"gate_up", "down", "experts", "shared_expert"}),
+    ({**W4A16_CT, "ignore": ["lm_head", "re:.*mlp.gate$", "model.layers.7.mlp.down_proj"]},  # one layer's down: all
+     "W4A16 compressed-tensors group 128", {"qkv", "o", "gate_up", "experts", "shared_expert"}),
+])
+def test_the_format_is_read_from_the_quantization_config(q, name, quantized):
+    fmt = weight_format({**LLAMA_8B, "quantization_config": q}, "bfloat16")
+    assert fmt.name == name and fmt.quantized
+    assert fmt.quantized_roles == (quantized or {"qkv", "o", "gate_up", "down", "experts", "shared_expert"})
+    assert weight_format(LLAMA_8B, "bfloat16").name == "bfloat16" and not weight_format(LLAMA_8B, "bfloat16").quantized
+
+
+@pytest.mark.parametrize("q,why", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with 8-bit weights"),
+    ({**FP8_BLOCK, "weight_block_size": [64, 64]}, "weight_block_size [64, 64]"),
+    ({**W4A16_CT, "config_groups": {**W4A16_CT["config_groups"], "group_1": W8A8_CT["config_groups"]["group_0"]}},
+     "compressed-tensors with 2 weight schemes"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}}},
+     "FP4 (NVFP4/MXFP4) weights are not supported"),
+    ({"bits": 4}, "quantization_config without a quant_method"),
+])
+def test_a_format_the_planner_cannot_size_is_refused_by_name(q, why):
+    with pytest.raises(PlanError, match=rf"^model: .*{__import__('re').escape(why)}"):
+        model_shape({**LLAMA_8B, "quantization_config": q})
+
+
+def plan(strategy, **over):
+    return plan_from_dict({"model": "/m", "max_model_len": 4096, "strategy": strategy, **over, "stages": [
+        {"name": "gpu", "device": "gpu", "memory": "80Gi"}, {"name": "cpu", "device": "cpu", "cpus": 16,
+                                                              "memory": "200Gi"}]})
+
+
+@pytest.mark.parametrize("config", [LLAMA_8B, MIXTRAL_8X7B], ids=["dense", "moe"])
+def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoint_and_auto_leaves_them_out(config):
+    shape = model_shape({**config, "quantization_config": W4A16_CT})
+    refusing = ("balanced", "coprocessor", "experts") if shape.experts else ("balanced", "coprocessor")
+    for name in refusing:
+        with pytest.raises(PlanError) as err:
+            resolve(plan(name), split_layers(plan(name), shape))
+        assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
+                                  "computes from plain weights, and this checkpoint is W4A16 compressed-tensors group "
+                                  "128 (compressed-tensors); use strategy pipeline or offload")
+    for name in ("pipeline", "offload"):
+        assert resolve_split(plan(name), shape)[1].strategy == name
+    for concurrency in (1, 64):
+        _, lay, estimates = resolve_split(plan("auto", expected_concurrency=concurrency), shape)
+        assert set(estimates) == {"pipeline", "offload"} and lay.strategy in estimates
+    # the same model unquantized: every strategy is a candidate again
+    assert set(resolve_split(plan("auto"), model_shape(config))[2]) >= {"balanced", "coprocessor"}
+
+
+def test_fp8_on_a_cpu_stage_needs_amx(tmp_path):
+    fmt = weight_format({**LLAMA_8B, "quantization_config": FP8_BLOCK}, "bfloat16")
+    assert "need AMX" in cpu_refusal(fmt, {"avx512f", "avx512_bf16"})
+    assert cpu_refusal(fmt, {"avx512f", "amx_tile", "amx_bf16"}) is None
+    per_tensor = weight_format({**LLAMA_8B, "quantization_config": {"quant_method": "fp8"}}, "bfloat16")
+    assert "a kernel for FP8 block-128 only" in cpu_refusal(per_tensor, {"amx_tile"})
+    for q in (W4A16_CT, W8A8_CT, GPTQ, AWQ):
+        assert cpu_refusal(weight_format({**LLAMA_8B, "quantization_config": q}, "bfloat16"), set()) is None
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f amx_tile amx_bf16\n\nprocessor\t: 1\nflags\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "sse", "avx512f", "amx_tile", "amx_bf16"}
+    assert cpu_flags(str(tmp_path / "absent")) == set()
+
+
+def test_a_cpu_stage_refuses_fp8_at_its_start_where_its_cpu_lacks_amx(tmp_path, monkeypatch):
+    """The refusal reaches the stage's termination message (the operator's status) as a planner error, before
+    vLLM loads; the gpu stage of the same plan starts, and a cpu stage of a W4A16 checkpoint starts."""
+    from vllm_hybrid import cli, formats
+    monkeypatch.setattr(formats, "cpu_flags", lambda: {"avx512f"})
+    for q, refused in ((FP8_BLOCK, True), (W4A16_CT, False)):
+        (tmp_path / "config.json").write_text(json.dumps({**LLAMA_8B, "quantization_config": q}))
+        (tmp_path / "plan.json").write_text(json.dumps({
+            "model": str(tmp_path), "max_model_len": 4096, "stages": [
+                {"name": "g", "device": "gpu", "layers": 16, "memory": "80Gi"},
+                {"name": "c", "device": "cpu", "layers": 16, "cpus": 1, "memory": "64Gi"}]}))
+        args = argparse.Namespace(plan=str(tmp_path / "plan.json"), stage=1, replica=0, gpu_memory=None)
+        if refused:
+            with pytest.raises(PlanError, match=r"^stages\[1\] \(c\): FP8 block-128 weights on a CPU stage need AMX"):
+                cli.build_stage(args, {"HYBRID_CPUS": "0"})
+        else:
+            assert cli.build_stage(args, {"HYBRID_CPUS": "0"})[2] is not None
+        assert cli.build_stage(argparse.Namespace(**{**vars(args), "stage": 0}), {"HYBRID_CPUS": "0"})[2] is not None
+
+
+def test_plan_prints_the_format_beside_the_memory_arithmetic(tmp_path, capsys):
+    from vllm_hybrid import cli
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_8B, "quantization_config": W4A16_CT}))
+    (tmp_path / "plan.json").write_text(json.dumps({"model": str(tmp_path), "stages": [
+        {"name": "c", "device": "cpu", "cpus": 4, "memory": "16Gi"}]}))
+    with pytest.raises(SystemExit) as done:
+        cli.main(["plan", "--plan", str(tmp_path / "plan.json")])
+    assert done.value.code == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "32 layers, W4A16 compressed-tensors group 128, bfloat16 elsewhere, 0.105 GiB/layer" in first
