@@ -23,6 +23,7 @@ def patch_cpu_kv_memory_check() -> str | None:
     cpu_worker.get_memory_node_info = get_memory_node_info
     return "cpu_worker.get_memory_node_info(system-wide)"
 
+
 def patch_no_cpu_aot_load(decorators) -> str | None:
     # vllm.compilation.decorators._try_load_aot_compiled_fn: on CPU, 0.26's AOT artifact does not load back
     # ("'function' object has no attribute 'finalize_loading'") after ~35 s of deserializing (SmolLM2 on 2
@@ -31,6 +32,7 @@ def patch_no_cpu_aot_load(decorators) -> str | None:
     # load and 92 s cold.
     decorators._try_load_aot_compiled_fn = lambda model, aot_compilation_path: None
     return "decorators._try_load_aot_compiled_fn(CPU: compile, do not load)"
+
 
 def _forking(get_mp_context):
     """A vLLM module's get_mp_context that runs upstream's (its checks, its environment for the workers it starts)
@@ -42,6 +44,7 @@ def _forking(get_mp_context):
         return multiprocessing.get_context("fork")
     return forking
 
+
 def patch_cpu_engine_fork(engine_utils) -> str | None:
     """vllm.v1.engine.utils.get_mp_context, as CoreEngineProcManager calls it: fork the engine core on CPU.
 
@@ -51,6 +54,7 @@ def patch_cpu_engine_fork(engine_utils) -> str | None:
     (7 s of a stage's start on 2 cores)."""
     engine_utils.get_mp_context = _forking(engine_utils.get_mp_context)
     return "engine.utils.get_mp_context(CPU: fork the engine core)"
+
 
 def patch_cpu_worker_fork(multiproc_executor) -> str | None:
     """vllm.v1.executor.multiproc_executor.get_mp_context and WorkerProc.worker_main: fork a CPU stage's one worker
@@ -72,6 +76,7 @@ def patch_cpu_worker_fork(multiproc_executor) -> str | None:
     multiproc_executor.WorkerProc.worker_main = staticmethod(worker_main)
     return "multiproc_executor.get_mp_context + WorkerProc.worker_main(CPU, one thread: fork the worker)"
 
+
 def patch_cpu_masked_input(vocab_embedding) -> str | None:
     # vllm.model_executor.layers.vocab_parallel_embedding.get_masked_input_and_mask, torch.compile'd at import and
     # used only with tensor parallelism: on CPU every rank of a TP>1 stage compiled it with g++ at its first step,
@@ -80,6 +85,7 @@ def patch_cpu_masked_input(vocab_embedding) -> str | None:
     compiled = vocab_embedding.get_masked_input_and_mask
     vocab_embedding.get_masked_input_and_mask = getattr(compiled, "_torchdynamo_orig_callable", compiled)
     return "vocab_parallel_embedding.get_masked_input_and_mask(CPU: eager)"
+
 
 def remember_vec_isa_checks(cache_root: str) -> str | None:
     # torch._inductor.cpu_vec_isa.VecISA.check_build: the first C++ compile of every process (vLLM's sampler

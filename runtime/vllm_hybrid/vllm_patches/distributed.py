@@ -13,6 +13,7 @@ from .. import stage_metrics
 def _nbytes(tensor_dict) -> int:
     return sum(v.numel() * v.element_size() for v in tensor_dict.values() if hasattr(v, "element_size"))
 
+
 class _TimedRecv:
     """A receive handle whose wait() is timed: the time a stage waits for the previous one."""
 
@@ -25,6 +26,7 @@ class _TimedRecv:
         self.metrics.transfer("recv", self.nbytes, time.perf_counter() - t0)
         return out
 
+
 @contextlib.contextmanager
 def swapped(module, name: str, value):
     """A module global replaced for the duration of one upstream call."""
@@ -35,8 +37,10 @@ def swapped(module, name: str, value):
     finally:
         setattr(module, name, saved)
 
+
 def _is_pp(group) -> bool:
     return group.unique_name.startswith("pp")
+
 
 def patch_cuda_dist_backend(platform) -> str | None:
     # vllm.platforms.cuda.CudaPlatform.dist_backend ("nccl"): the world and pipeline groups span
@@ -45,6 +49,7 @@ def patch_cuda_dist_backend(platform) -> str | None:
     if platform.is_cuda_alike():
         type(platform).dist_backend = "gloo"
         return "CudaPlatform.dist_backend=gloo"
+
 
 def patch_pp_group_without_device_communicator(parallel_state) -> str | None:
     # vllm.distributed.parallel_state.init_model_parallel_group: the "pp" group must be built
@@ -63,6 +68,7 @@ def patch_pp_group_without_device_communicator(parallel_state) -> str | None:
 
     parallel_state.init_model_parallel_group = init_model_parallel_group
     return "init_model_parallel_group(pp: no device communicator)"
+
 
 def patch_pp_send_via_host(parallel_state) -> str | None:
     # vllm.distributed.parallel_state.GroupCoordinator.isend_tensor_dict: upstream sends CUDA
@@ -89,6 +95,7 @@ def patch_pp_send_via_host(parallel_state) -> str | None:
 
     cls.isend_tensor_dict = isend_tensor_dict
     return "GroupCoordinator.isend_tensor_dict(pp: via host)"
+
 
 def patch_pp_recv_to_device(parallel_state) -> str | None:
     # vllm.distributed.parallel_state.GroupCoordinator.irecv_tensor_dict: what arrives over the
@@ -117,6 +124,7 @@ def patch_pp_recv_to_device(parallel_state) -> str | None:
 
     cls.irecv_tensor_dict = irecv_tensor_dict
     return "GroupCoordinator.irecv_tensor_dict(pp: host -> device)"
+
 
 def patch_response_queue_locality(multiproc_executor) -> str | None:
     # vllm.v1.executor.multiproc_executor.WorkerProc._init_message_queues: with nnodes > 1 each

@@ -38,10 +38,13 @@ def patch_dummy_weights_once(dummy_loader) -> str | None:
     cls.load_weights = load_weights
     return "DummyModelLoader.load_weights(fill each tensor once, large CPU ones tiled)"
 
+
 TILE = 1 << 22  # elements of the seeded block large CPU tensors repeat (tiny test models stay below it)
+
 
 def _tileable(t) -> bool:
     return t.device.type == "cpu" and t.is_floating_point() and t.is_contiguous() and t.numel() >= 4 * TILE
+
 
 def _fill_tiled(t, fill_block) -> None:
     import torch
@@ -52,6 +55,7 @@ def _fill_tiled(t, fill_block) -> None:
     flat[:whole].view(-1, TILE).copy_(block)  # a broadcast copy: all threads, memory speed
     flat[whole:].copy_(block[: flat.numel() - whole])
 
+
 class _Tensors:
     """Just enough of an nn.Module for initialize_dummy_weights: a state_dict()."""
 
@@ -60,6 +64,7 @@ class _Tensors:
 
     def state_dict(self):
         return self._tensors
+
 
 def patch_loading_keeps_host_storage(loader_utils) -> str | None:
     # vllm.model_executor.model_loader.utils.device_loading_context: weight processing moves a module's

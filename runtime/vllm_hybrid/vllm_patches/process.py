@@ -34,6 +34,7 @@ def die_with_parent() -> str | None:
         os.kill(os.getpid(), signal.SIGKILL)
     return "die with parent"
 
+
 def journal_shm_names(journal: str) -> str | None:
     # Not upstream functions: multiprocessing's SharedMemory.__init__ and SemLock.__init__, what vLLM's
     # message queues and locks are made of, append each /dev/shm name they create to the stage's journal

@@ -30,6 +30,7 @@ def patch_pad_received_activations(gpu_model_runner) -> str | None:
     cls.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
     return "GPUModelRunner.sync_and_gather_intermediate_tensors(pad short batches)"
 
+
 def patch_batches_in_flight(config_vllm) -> str | None:
     # vllm.config.vllm.VllmConfig.max_concurrent_batches: with pipeline parallelism the engine keeps
     # pp_size batches in flight, so the running requests are split into micro-batches that take turns.
@@ -44,6 +45,7 @@ def patch_batches_in_flight(config_vllm) -> str | None:
 
     cls.max_concurrent_batches = property(lambda self: min(cap, original.fget(self)), doc=original.__doc__)
     return f"VllmConfig.max_concurrent_batches(<= {cap})"
+
 
 def patch_worker_step_metrics(gpu_worker) -> str | None:
     # vllm.v1.worker.gpu_worker.Worker.initialize_from_config / execute_model (CPUWorker inherits
@@ -81,6 +83,7 @@ def patch_worker_step_metrics(gpu_worker) -> str | None:
 
     cls.initialize_from_config, cls.execute_model = initialize_from_config, execute_model
     return "Worker.execute_model(stage metrics)"
+
 
 def patch_check_offloader(gpu_worker) -> str | None:
     # vllm.v1.worker.gpu_worker.Worker.load_model: vLLM 0.26 silently ignores offload flags it cannot

@@ -227,7 +227,6 @@ def test_a_pod_with_too_few_huge_pages_fails_with_the_sizes(tmp_path, monkeypatc
 # --- the strategy's plans (from the former tests/runtime/test_strategy.py) ---
 
 
-
 @pytest.mark.parametrize("stages,cpu", [([GPU, CPU], 1), ([CPU, GPU], 0)])
 def test_balanced_splits_the_cpu_stages_gemms_with_the_gpu_stages_helper(stages, cpu):
     plan, _ = planned(stages, strategy="balanced")

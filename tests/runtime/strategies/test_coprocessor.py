@@ -271,7 +271,6 @@ def test_the_server_maps_the_pages_the_main_stage_wrote_before_it_measures():
 # --- the strategy's plans (from the former tests/runtime/test_strategy.py) ---
 
 
-
 def test_the_coprocessor_cost_model_matches_the_bench():
     # bench/results/gpu_bench-coproc.json: one H200 lease, coprocessor (13 server threads, 4 KiB and 2 MiB
     # pages) beside vLLM's prefetch offloader; the two coprocessor runs differ by up to 10% (171 / 188 at 16)

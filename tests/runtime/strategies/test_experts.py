@@ -406,7 +406,6 @@ def test_tiny_moe_with_remote_experts_gives_single_process_tokens(model, tmp_pat
 # --- the strategy's plans (from the former tests/runtime/test_strategy.py) ---
 
 
-
 @pytest.mark.parametrize("concurrency", [1, 16])
 def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_holds(concurrency):
 

@@ -12,6 +12,7 @@ from .io import HELPER_RING_SLOTS, RATES_ENV, SOCKET_ENV, Rates
 
 HELPER_CONTEXT = GiB // 2  # its CUDA context and kernels
 
+
 def split_rates(hw: Hardware, cores: int) -> Rates:
     """What a CPU stage and its GEMM helper reach side by side (gemm_split picks each split by them)."""
     return Rates(pcie_gbs=hw.split_pcie_gbs, cpu_gbs=hw.dram_gbs * hw.cpu_decode_efficiency * hw.split_dram_share,

@@ -32,7 +32,6 @@ def patch_split_gemm(layer_utils, cpu_model_runner) -> str | None:
         gemm_split.place_model_weights(model, (LinearBase, ParallelLMHead))
         return model
 
-
     @functools.wraps(original_dispatch)
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
         lookup_only = isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)

@@ -47,6 +47,7 @@ class GpuSide:
         y = self.io.y(j, rows, n - n0, self.dev)
         return torch.cat([y0, y], dim=-1) if n0 else y.clone()  # the io buffer is the next product but one's
 
+
 def tune_split(forced: bool) -> bool:
     """HYBRID_COPROC_TUNE: unset, tune a measured split on timed passes (tune.py), not one HYBRID_COPROC_SHARES
     forced; 1: tune that one too (it is where the search starts); 0: never."""
@@ -54,6 +55,7 @@ def tune_split(forced: bool) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{TUNE_ENV}={value!r}: 0 or 1 (unset: tune a measured split)")
     return value == "1" or (value == "" and not forced)
+
 
 def measure_copy(flat: torch.Tensor, nbytes: int, chunk: int = 64 << 20) -> float:
     """GB/s the GPU copies from the (page-locked) region at, over up to 1 GiB of its first `nbytes`: what the
@@ -71,6 +73,7 @@ def measure_copy(flat: torch.Tensor, nbytes: int, chunk: int = 64 << 20) -> floa
     end.synchronize()
     return round(count * chunk / (start.elapsed_time(end) / 1e3) / 1e9, 2)
 
+
 @dataclass
 class Product:
     cpu: torch.Tensor   # the weight in the shared region
@@ -84,6 +87,7 @@ class Product:
     @property
     def n(self) -> int:
         return self.cpu.shape[0]
+
 
 class Client(RegionClient):
     """The GPU worker's session with its CPU pod: the weights region it loads into, the io region, the split."""
@@ -226,13 +230,16 @@ class Client(RegionClient):
                 self.products[j].plain_rows = rows.shape[0]
         return self.unpack_stream
 
+
 CLIENT: Client | None = None
+
 
 @torch.library.custom_op("hybrid::coproc_linear", mutates_args=())
 def coproc_linear(x: torch.Tensor, weight: torch.Tensor, product: int) -> torch.Tensor:
     # opaque to torch.compile; under CUDA graphs its memops and kernels are captured and replayed
     x2 = x.reshape(-1, x.shape[-1])
     return CLIENT.linear(x2, weight, product).view(*x.shape[:-1], weight.shape[0])
+
 
 @coproc_linear.register_fake
 def _(x, weight, product):

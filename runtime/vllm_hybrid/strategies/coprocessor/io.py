@@ -42,12 +42,15 @@ MAX_ROWS = (1 << T_BITS) - 1
 
 REQ, PRODUCT, DONE = 0, 1, 2  # the words, in lines
 
+
 def encode(rows: int, n0: int) -> int:
     assert 0 < rows <= MAX_ROWS and n0 % ALIGN == 0 and n0 // ALIGN < 1 << (31 - T_BITS)
     return (n0 // ALIGN) << T_BITS | rows
 
+
 def decode(word: int) -> tuple[int, int]:
     return word & MAX_ROWS, (word >> T_BITS) * ALIGN
+
 
 @dataclass(frozen=True)
 class IoLayout:
@@ -81,6 +84,7 @@ class IoLayout:
     @classmethod
     def for_shapes(cls, shapes: list[tuple[int, int]], max_rows: int, elem: int = 2) -> IoLayout:
         return cls(max_rows, max(k for _, k in shapes), max(n for n, _ in shapes), elem)
+
 
 class IoViews:
     """Views of an io region (`raw`: a CPU uint8 tensor over the shared mapping)."""

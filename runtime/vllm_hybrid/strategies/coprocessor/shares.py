@@ -10,8 +10,10 @@ SGL_MIN_ROWS = 5  # sgl's GEMM takes its brgemm path from 5 rows: on one AMX box
 
 MIN_CPU_GAIN = 0.15  # split only where the CPU adds this share of the copy's rate (each split has a hand-over)
 
+
 def shape_key(n: int, k: int) -> str:
     return f"{n}x{k}"
+
 
 def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[int, float]]:
     """The GPU's share of a product's rows per step size, so the copy of rows [0, n0) and the CPU's rows end
@@ -27,10 +29,12 @@ def measured_shares(copy_gbs: float, cpu_gbs: dict[int, float]) -> list[tuple[in
         out.append((rows, round(copy_gbs / (copy_gbs + cpu), 3)))
     return out
 
+
 # GPU share of each split product's rows, by step size: T <= bound -> share; larger steps are not split. Measured at
 # start on CUDA (measured_shares); this where nothing is measured, and HYBRID_COPROC_SHARES forces one for all.
 # (bench/coproc.py on the H200 box: one 16-layer pass is fastest near these.)
 DEFAULT_SHARES = "4:0.5,16:0.55,64:0.6"
+
 
 def parse_shares(text: str) -> list[tuple[int, float]]:
     try:
@@ -42,11 +46,13 @@ def parse_shares(text: str) -> list[tuple[int, float]]:
                          f"[1, {MAX_ROWS}]")
     return out
 
+
 def rows_of(n: int, share: float) -> int:
     """n0: whole blocks, at least one on each side; share 0: none on the GPU (the CPU computes every row)."""
     if share <= 0:
         return 0
     return min(n - ALIGN, max(ALIGN, int(n * share) // ALIGN * ALIGN))
+
 
 def share_for(table: list[tuple[int, float]], rows: int) -> float | None:
     """The GPU's share for a step of `rows` tokens; None: the step is not split (it streams every row)."""

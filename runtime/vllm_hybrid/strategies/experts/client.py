@@ -39,6 +39,7 @@ from .kernels import compute
 
 log = logging.getLogger("vllm_hybrid.experts")
 
+
 def expert_map(num_experts: int, remote: Sequence[int]) -> tuple[int, torch.Tensor]:
     """vLLM's expert map for the main stage: global id -> local index, -1 for a remote expert."""
     if any(not 0 <= e < num_experts for e in remote) or len(set(remote)) >= num_experts:
@@ -48,6 +49,7 @@ def expert_map(num_experts: int, remote: Sequence[int]) -> tuple[int, torch.Tens
     for i, e in enumerate(local):
         emap[e] = i
     return len(local), torch.tensor(emap, dtype=torch.int32)
+
 
 def local_topk(local: torch.Tensor, num_local: int) -> torch.Tensor:
     """Top-k ids for upstream's CPU MoE kernels, which take no expert map: a token's local slots keep their local index
@@ -65,10 +67,12 @@ def local_topk(local: torch.Tensor, num_local: int) -> torch.Tensor:
             ids[:, j] = torch.where(remote, (used == 0).to(torch.int32).argmax(1).to(ids.dtype), ids[:, j])
     return ids.to(torch.int32)
 
+
 def remote_mask(num_experts: int, remote: Sequence[int]) -> torch.Tensor:
     mask = torch.zeros(num_experts, dtype=torch.bool)
     mask[list(remote)] = True
     return mask
+
 
 class CpuSide:
     """The protocol with plain stores and a spin: a main stage on CPU (tests)."""
@@ -93,6 +97,7 @@ class CpuSide:
         words[DONE] = 0
         return self.io.y(layer, rows).clone()
 
+
 class GpuSide:
     """The CUDA main stage's end: device pointers of the words, in-place device views of the buffers."""
 
@@ -114,6 +119,7 @@ class GpuSide:
         self.memops.wait(self.done, 1)
         self.memops.write(self.done, 0)
         return self.io.y(layer, rows, self.dev)
+
 
 @dataclass
 class Held:
@@ -139,6 +145,7 @@ class Held:
     def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them."""
         return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
+
 
 class RoutingCounts:
     """Routed (token, expert) pairs per MoE layer, counted on the main stage's device (an index_add_ per layer, so
@@ -189,6 +196,7 @@ class RoutingCounts:
         except OSError as e:
             log.warning("experts: routing counts not saved to %s: %s", self.path, e)
             self.path = None
+
 
 class Client(RegionClient):
     """The main stage's session with its CPU pod: the region its loader fills, the manifest, the hand-over."""
@@ -307,7 +315,9 @@ class Client(RegionClient):
         out = local(x, topk_weights, topk_ids)
         return out + self.side.collect(layer, rows)
 
+
 CLIENT: Client | None = None
+
 
 def client_from_env(device: str, env=os.environ) -> Client:
     """The process's client, connected on first use (the first MoE layer with remote experts)."""
@@ -319,10 +329,12 @@ def client_from_env(device: str, env=os.environ) -> Client:
         CLIENT = client
     return CLIENT
 
+
 @torch.library.custom_op("hybrid::experts_moe", mutates_args=())
 def experts_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
     # opaque to torch.compile; under CUDA graphs its memops and kernels are captured and replayed
     return CLIENT.moe(layer, x, topk_weights, topk_ids)
+
 
 @experts_moe.register_fake
 def _(x, topk_weights, topk_ids, layer):

