@@ -101,7 +101,7 @@ def model(node):
 def test_images_build_and_load_into_the_node(images):
     REPORT["images"] = images
     for name, image in images.items():
-        assert f"hybrid-inference/{name}:dev built by buildah" in image["image"]
+        assert image["image"].startswith(f"images: localhost/hybrid-inference/{name}:dev {image['id']} built by buildah")
 
 
 def test_operator_runs_in_the_cluster_with_the_charts_service_account(node, operator):
