@@ -130,7 +130,7 @@ def build_stage(args, env: dict[str, str]):
         check_this_gpu(plan, shape, ident.stage, lay.strategy)
     if ident.stage in lay.stages and plan.stages[ident.stage].is_cpu:  # this CPU computes layers in the checkpoint's format
         from .formats import cpu_flags, cpu_refusal
-        if why := cpu_refusal(shape.weight_format, cpu_flags()):
+        if why := cpu_refusal(shape.weight_format, shape.dtype, cpu_flags()):
             raise PlanError(f"stages[{ident.stage}] ({plan.stages[ident.stage].name}): {why}: put its layers on gpu "
                             "stages (strategy offload streams them from this memory) or serve a W4A16 or INT8 "
                             "checkpoint")

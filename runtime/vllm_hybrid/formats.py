@@ -152,14 +152,16 @@ def _with_roles(fmt: WeightFormat, ignore: list[str], substring: bool = False) -
     return WeightFormat(**{**fmt.__dict__, "quantized_roles": roles})
 
 
-def cpu_refusal(fmt: WeightFormat, cpu_flags: set[str]) -> str | None:
-    """Why vLLM 0.26's CPU build cannot compute a CPU stage's layers in this format on a CPU with these flags
-    (/proc/cpuinfo); None: it can (its kernels: vllm/model_executor/kernels/linear/{scaled_mm,mixed_precision}/cpu.py)."""
+def cpu_refusal(fmt: WeightFormat, dtype: str, cpu_flags: set[str]) -> str | None:
+    """Why vLLM 0.26's CPU build cannot compute a CPU stage's layers in this format and dtype on a CPU with these
+    flags (/proc/cpuinfo); None: it can (its kernels: vllm/model_executor/kernels/linear/{scaled_mm,mixed_precision}/
+    cpu.py; per-channel FP8 runs ChannelWiseTorchFP8ScaledMM, INT8 CPUInt8ScaledMM, W4A16 CPUWNA16)."""
     if fmt.name == "FP8 block-128" and "amx_tile" not in cpu_flags:
         return ("FP8 block-128 weights on a CPU stage need AMX (vLLM 0.26's CPU FP8 kernel, CPUFp8BlockScaledMMKernel: "
                 "Sapphire Rapids or newer), which this node's CPU lacks")
-    if fmt.name.startswith("FP8") and fmt.name != "FP8 block-128":
-        return f"{fmt.name} weights on a CPU stage: vLLM 0.26's CPU build has a kernel for FP8 block-128 only"
+    if fmt.name.startswith("W4A16") and dtype not in ("bfloat16", "float16", "half"):
+        return (f"{fmt.name} weights on a CPU stage need dtype bfloat16 or float16 (vLLM 0.26's CPU int4 kernel, "
+                f"cpu_gemm_wna16, has no {dtype})")
     return None
 
 

