@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ...cpupod.packed import sgl_runs_here, vllm_cpu_ops
 from ...cpupod.server import window_gbs
 from .io import KERNEL_ENV
+from .quantized import QuantStacks, fused_experts, prepare
 
 
 @dataclass
@@ -115,6 +116,19 @@ def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     """compute() with a packed kernel: one row per routed (token, slot) pair whose expert is remote, top-1 to its
     index in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads each
     expert's weights once and applies the routing weight; rows are summed back per token."""
+    def run(xs, routed, pick):
+        if kernel == "sgl":  # (..., inplace, UNQUANT, 8 absent scales/zeros/biases, is_vnni)
+            return torch.ops._C.fused_experts_cpu(xs, w13, w2, routed, pick, False, 0, *(None,) * 9, True)
+        out = torch.empty_like(xs)
+        torch.ops._C.cpu_fused_moe(out, xs, w13, w2, None, None, routed, pick, False, "silu", kernel)
+        return out
+    return per_routed_row(x, ids, weights, local, run, served)
+
+
+def per_routed_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, run,
+                   served: Served | None = None) -> torch.Tensor:
+    """y from `run(xs, routed, pick)`, a fused MoE kernel over one row per routed (token, slot) pair whose expert is
+    remote (xs: its token's x, routed: its weight, float32, pick: its expert's index in the stacks, int32, top-1)."""
     rows, k = ids.shape
     flat = ids.reshape(-1).long()  # a main-stage expert's id may lie past the last remote one
     where = torch.where(flat < len(local), local[flat.clamp(max=len(local) - 1)], -1)
@@ -122,13 +136,7 @@ def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     y = torch.zeros(rows, x.shape[1], dtype=torch.float32)
     if slots.numel():
         tokens, pick = slots // k, where[slots][:, None].to(torch.int32)
-        xs, routed = x[tokens], weights.reshape(-1)[slots, None].float()
-        if kernel == "sgl":  # (..., inplace, UNQUANT, 8 absent scales/zeros/biases, is_vnni)
-            out = torch.ops._C.fused_experts_cpu(xs, w13, w2, routed, pick, False, 0, *(None,) * 9, True)
-        else:
-            out = torch.empty_like(xs)
-            torch.ops._C.cpu_fused_moe(out, xs, w13, w2, None, None, routed, pick, False, "silu", kernel)
-        y.index_add_(0, tokens, out.float())
+        y.index_add_(0, tokens, run(x[tokens], weights.reshape(-1)[slots, None].float(), pick).float())
         if served is not None:
             served.expert_reads += int(pick.unique().numel())
             served.expert_tokens += int(slots.numel())
@@ -144,18 +152,36 @@ class LayerExperts:
     packed: tuple[torch.Tensor, torch.Tensor] | None = None
     kernel: str | None = None
     local: torch.Tensor | None = None  # global id -> index in the stacks, -1: not here
+    quant: QuantStacks | None = None  # quantized experts, prepared for fused_experts_cpu (weights then unused)
 
     @property
     def kernel_name(self) -> str:
         """What computes this layer, in the log's and the bench's words."""
+        if self.quant is not None:
+            return f"fused_experts_cpu ({self.quant.fmt.name})"
         if self.packed is None:
             return "torch GEMMs"
         return "sgl fused-MoE kernel" if self.kernel == "sgl" else f"grouped kernel ({self.kernel})"
 
     def compute(self, x, ids, weights, served: Served | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            run = lambda xs, routed, pick: fused_experts(xs, self.quant, routed, pick)  # noqa: E731
+            return per_routed_row(x, ids, weights, self.local, run, served)
         if self.packed is None:
             return compute(x, ids, weights, self.weights, self.ids, served)
         return compute_packed(x, ids, weights, *self.packed, self.local, self.kernel, served)
+
+
+def local_index(ids: list[int]) -> torch.Tensor:
+    """Global expert id -> its index in the layer's stacks (-1: a main-stage expert)."""
+    local = torch.full((max(ids) + 1,), -1, dtype=torch.long)
+    local[ids] = torch.arange(len(ids))
+    return local
+
+
+def quantized_layer(ids: list[int], fmt: str, **tensors) -> LayerExperts:
+    """A layer's remote experts in a quantized format (quantized.prepare's tensors), computed by fused_experts_cpu."""
+    return LayerExperts(ids, [], quant=prepare(fmt, **tensors), local=local_index(ids))
 
 
 def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:
@@ -175,9 +201,8 @@ def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.
     stacks = [stacked(flat, [w[i] for w in weights]) for i in (0, 1)]
     if kernel is None or any(s is None for s in stacks):
         return LayerExperts(ids, weights)
-    local = torch.full((max(ids) + 1,), -1, dtype=torch.long)
-    local[ids] = torch.arange(len(ids))
-    return LayerExperts(ids, weights, (prepack(stacks[0], kernel), prepack(stacks[1], kernel)), kernel, local)
+    return LayerExperts(ids, weights, (prepack(stacks[0], kernel), prepack(stacks[1], kernel)), kernel,
+                        local_index(ids))
 
 
 MEASURE_S = 0.1  # per kernel and step: a window of calls (a best of three 5 ms calls swung the pick between leases)

