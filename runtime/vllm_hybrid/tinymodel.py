@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -41,10 +42,11 @@ def train_tokenizer(out: Path, vocab_size: int = 512) -> int:
 
 def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                     intermediate: int = 256, dtype: str = "float32", seed: int = 0,
-                    max_positions: int = 2048, experts: int = 0, shared: int = 0) -> Path:
+                    max_positions: int = 2048, experts: int = 0, shared: int = 0, qwen3: bool = False) -> Path:
     """Writes config.json, safetensors weights and the tokenizer to `out` (idempotent). experts > 0:
     a Mixtral (mixture of experts, 2 routed per token) of the same size, each expert `intermediate` wide;
-    and shared > 0: a Qwen2-MoE instead, whose every token also runs a shared expert `shared` wide."""
+    and shared > 0: a Qwen2-MoE instead, whose every token also runs a shared expert `shared` wide; qwen3: a
+    Qwen3-MoE instead (Qwen3-235B-A22B's architecture: q/k norms, routing weights renormalized, no shared expert)."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -59,6 +61,8 @@ def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: 
     marker = out / "hybrid-tiny.json"
     spec = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
                 dtype=dtype, seed=seed, max_positions=max_positions, experts=experts, shared=shared)
+    if qwen3:
+        spec["qwen3"] = True  # (absent otherwise: the markers of models made before it stay valid)
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,12 @@ def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: 
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                   # wider init than 0.02: peaked logits, so greedy decoding has no near-ties
                   initializer_range=0.1, torch_dtype=dtype)
-    if experts and shared:
+    if experts and qwen3:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=intermediate, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], **common))
+    elif experts and shared:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
             num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=intermediate, norm_topk_prob=False,
             shared_expert_intermediate_size=shared, decoder_sparse_step=1, mlp_only_layers=[], **common))
@@ -100,6 +109,7 @@ QUANT_SCHEMES = {
 # left unquantized where a checkpoint has them, as published quantized checkpoints leave them: the output head and
 # the MoE routers (Mixtral's block_sparse_moe.gate, Qwen-MoE's mlp.gate and its shared expert's one-wide gate)
 UNQUANTIZED = ["lm_head", "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$"]
+ATTENTION = ["re:.*self_attn\\..*"]  # quantize_checkpoint(ignore=ATTENTION): the experts (and MLPs) only
 
 
 def _weight_qparams(weight, args):
@@ -124,11 +134,12 @@ def _weight_qparams(weight, args):
     return scale.to(weight.dtype), zero_point
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str) -> Path:
+def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: Sequence[str] = ()) -> Path:
     """A copy of the model directory `src` with its linear layers quantized in the compressed-tensors format, as
     llm-compressor writes one (idempotent): scheme is one of QUANT_SCHEMES. Every 2-D weight of a linear layer is
     quantized (round to nearest, scales from the weight's own min and max) and stored by compressed-tensors' own
-    compressor for the scheme; embeddings, norms and UNQUANTIZED stay as they are; config.json gets the
+    compressor for the scheme; embeddings, norms, UNQUANTIZED and `ignore` (more such patterns, e.g. ATTENTION: a
+    checkpoint whose experts only are quantized) stay as they are; config.json gets the
     quantization_config that compressed-tensors' ModelCompressor writes. The widths must suit the scheme
     (QUANTIZABLE_TINY suits them all).
 
@@ -148,7 +159,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str) -> Path:
     src, out = Path(src), Path(out)
     marker = out / "hybrid-quantized.json"
     source = src / "hybrid-tiny.json"
-    spec = {"scheme": scheme, "source": str(src), "source_spec": source.read_text() if source.exists() else None}
+    spec = {"scheme": scheme, "source": str(src), "source_spec": source.read_text() if source.exists() else None,
+            "ignore": list(ignore)}
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +175,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str) -> Path:
     for shard in shards:
         with safe_open(shard, "pt") as f:
             names += list(f.keys())
-    ignore = [pattern for pattern in UNQUANTIZED if any(match_name(n.rpartition(".")[0], pattern) for n in names)]
+    ignore = [pattern for pattern in [*UNQUANTIZED, *ignore]
+              if any(match_name(n.rpartition(".")[0], pattern) for n in names)]
     weight_map = {}
     for shard in shards:
         tensors = load_file(shard)

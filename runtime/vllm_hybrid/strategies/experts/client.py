@@ -126,6 +126,12 @@ class Held:
     ids: list[int]
     stacks: tuple[torch.Tensor, torch.Tensor]  # the layer's remote experts in the region: E x 2I x H and E x H x I
     packed: str | None = None                  # the server packed them for its kernel (packed_kernel's name)
+    # quantized experts (quantized.FORMATS' name): the region holds their tensors by role (w13, w13_scale, ...) as
+    # vLLM's loader writes them; the server prepares its own copy and frees these pages, so every step of the
+    # layer, large ones too, is computed by the CPU pod
+    fmt: str | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+    awq: bool = False
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -214,8 +220,8 @@ class Client(RegionClient):
         self.copy_stream = None
         self.staged: tuple[int, list[torch.Tensor], object] | None = None
 
-    def open_weights(self, nbytes: int) -> str:
-        return super().open_weights(nbytes, page_lock=self.device == "cuda")  # large steps copy from it
+    def open_weights(self, nbytes: int, page_lock: bool | None = None) -> str:
+        return super().open_weights(nbytes, self.device == "cuda" if page_lock is None else page_lock)  # large steps copy from it
 
     @staticmethod
     def region_bytes(count: int, w13_shape, w2_shape, dtype: torch.dtype) -> int:
@@ -239,6 +245,16 @@ class Client(RegionClient):
         self.layers[layer] = Held(ids, (w13, w2))
         return self.layers[layer]
 
+    def hold_quantized(self, layer: int, fmt: str, roles: dict[str, torch.Tensor], hidden: int, dtype: torch.dtype,
+                       top_k: int, num_experts: int, awq: bool = False) -> dict[str, torch.Tensor]:
+        """Region storage for layer's remote experts in a quantized format: one stack per role, like `roles` (meta
+        tensors of E x ...), which the loader fills in place."""
+        self.dtype, self.top_k, self.hidden = dtype, top_k, hidden
+        self.counts.track(layer, num_experts, self.device)
+        tensors = {role: self.take(like) for role, like in roles.items()}
+        self.layers[layer] = Held(self.remote[layer], (), fmt=fmt, tensors=tensors, awq=awq)
+        return tensors
+
     def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self.layers[layer]
         return held.weights[held.ids.index(gid)]
@@ -247,12 +263,16 @@ class Client(RegionClient):
         """Tell the CPU pod where each remote expert's weights are; map the io region it returns. Its threads."""
         base = self.flat.data_ptr()
         loc = lambda t: [t.data_ptr() - base, *t.shape]
+
+        def entry(layer: int, h: Held) -> dict:
+            if h.fmt is None:
+                return {"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
+                                                    for e, (w13, w2) in zip(h.ids, h.weights)]}
+            return {"layer": layer, "ids": h.ids, "format": h.fmt, "awq": h.awq,
+                    "tensors": {role: [str(t.dtype).removeprefix("torch."), *loc(t)] for role, t in h.tensors.items()}}
         reply, self.io_map, nbytes = self._ask_region({
             "dtype": str(self.dtype).removeprefix("torch."), "max_rows": self.max_rows, "top_k": self.top_k,
-            "hidden": self.hidden,
-            "layers": [{"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
-                                                    for e, (w13, w2) in zip(h.ids, h.weights)]}
-                       for layer, h in sorted(self.layers.items())]})
+            "hidden": self.hidden, "layers": [entry(layer, h) for layer, h in sorted(self.layers.items())]})
         for layer, kernel in reply.get("packed", {}).items():
             self.layers[int(layer)].packed = kernel
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
@@ -310,10 +330,28 @@ class Client(RegionClient):
             raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
                                "BaseModelLoader.load_model?)")
         if not 0 < rows <= self.max_rows:
+            if self.layers[layer].fmt is not None:
+                return self.in_parts(layer, x, topk_weights, topk_ids, local)
             return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
         self.side.submit(layer, x, topk_ids, topk_weights)
         out = local(x, topk_weights, topk_ids)
         return out + self.side.collect(layer, rows)
+
+    def in_parts(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 local: Callable) -> torch.Tensor:
+        """A large step of a quantized layer: the CPU pod computes its remote experts max_rows tokens at a time (only
+        it holds them), the first part while the main stage computes its own experts over all the tokens."""
+        parts = [slice(start, start + self.max_rows) for start in range(0, x.shape[0], self.max_rows)]
+        if not parts:  # no tokens
+            return local(x, topk_weights, topk_ids)
+        send = lambda part: self.side.submit(layer, x[part], topk_ids[part], topk_weights[part])  # noqa: E731
+        send(parts[0])
+        out = local(x, topk_weights, topk_ids)
+        for i, part in enumerate(parts):
+            out[part] += self.side.collect(layer, x[part].shape[0])  # read before the next part reuses the buffer
+            if i + 1 < len(parts):
+                send(parts[i + 1])
+        return out
 
 
 CLIENT: Client | None = None

@@ -7,6 +7,37 @@ import os
 
 from .io import BYTES_ENV, REMOTE_ENV, SOCKET_ENV, parse_placement
 
+SERVED_FORMATS = "FP8 block-128, INT8 W8A8 (per channel, dynamic per token) and compressed-tensors W4A16 (symmetric)"
+
+
+def quantized_roles(layer) -> tuple[str, dict[str, str]]:
+    """The CPU pod's format (quantized.FORMATS) for a quantized MoE layer's experts and which of the layer's
+    parameters is which of its roles (w13, w2, w13_scale, w2_scale); NotImplementedError naming what it is
+    otherwise (the start fails: nothing is computed in a format the CPU pod would read wrongly)."""
+    method = layer.quant_method
+    kind = type(method).__name__
+    weight = getattr(method, "weight_quant", None)
+    if kind in ("Fp8MoEMethod", "CompressedTensorsW8A8Fp8MoEMethod") and method.block_quant:
+        if list(method.weight_block_size) == [128, 128]:
+            scale = "weight_scale_inv" if kind == "Fp8MoEMethod" else "weight_scale"
+            return "fp8-block", {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": f"w13_{scale}",
+                                 "w2_scale": f"w2_{scale}"}
+        what = f"FP8 in {list(method.weight_block_size)} blocks"
+    elif kind in ("CompressedTensorsWNA16MoEMethod", "CompressedTensorsWNA16MarlinMoEMethod"):
+        order = getattr(method.actorder, "value", method.actorder)
+        if method.num_bits == 4 and weight.symmetric and order in (None, "static"):
+            return "w4a16", {"w13": "w13_weight_packed", "w2": "w2_weight_packed", "w13_scale": "w13_weight_scale",
+                             "w2_scale": "w2_weight_scale"}
+        what = (f"W{method.num_bits}A16 {'symmetric' if weight.symmetric else 'with zero points'}"
+                + (f", activation order {order} (the CPU kernel takes no g_idx)" if order not in (None, "static") else ""))
+    elif kind == "CompressedTensorsW8A8Int8MoEMethod":
+        return "int8", {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale",
+                        "w2_scale": "w2_weight_scale"}
+    else:
+        what = kind
+    raise NotImplementedError(f"strategy experts: {layer.layer_name}: {what} experts are not computed by the CPU "
+                              f"pod (it computes {SERVED_FORMATS})")
+
 
 def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str | None:
     # strategy experts (client.py), in the main stage: some routed experts of each MoE layer live in the CPU pod.
@@ -14,10 +45,16 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
     #   the layer's ExpertMapManager gets the map its expert-parallel path builds for a rank (global id -> local
     #   index, -1 elsewhere; with ep_size 1 it builds none), the remote experts being the -1s: create_weights makes
     #   room for the local experts only, and the weight loader and the fused kernels skip the others. After it,
-    #   room for the remote experts in the CPU pod's region (connecting on the first such layer).
+    #   room for the remote experts in the CPU pod's region (connecting on the first such layer). A quantized
+    #   layer's remote experts get the quant method's own parameters (create_weights on a shadow module), those the
+    #   CPU pod reads (quantized_roles) placed in the region.
     # - RoutedExperts.weight_loader: upstream drops an expert the map says is not local; a remote one is written
-    #   into its room in the region instead, with upstream's own w1/w3 (halves of w13) and w2 shard helpers.
-    # - base_loader.BaseModelLoader.load_model: once the weights are in, the manifest goes to the CPU pod.
+    #   into its room in the region instead, with upstream's own w1/w3 (halves of w13) and w2 shard helpers (a
+    #   quantized layer's: upstream's whole loader on the shadow parameter, the expert's remote index its local id).
+    # - RoutedExperts.forward_modular / forward_monolithic (quantized layers; each quant method has its own apply):
+    #   as UnquantizedFusedMoEMethod.apply(_monolithic) below; their local experts by upstream's kernel for them.
+    # - base_loader.BaseModelLoader.load_model: once the weights are in, the manifest goes to the CPU pod (and a
+    #   quantized layer whose upstream kernel cannot leave the remote experts out fails the start by name).
     # - gpu_worker.Worker.execute_model (CPUWorker inherits it): the routing counts start at the first real step
     #   (warm-up and graph capture route dummy tokens) and are saved for the next start's placement now and then.
     # - UnquantizedFusedMoEMethod.apply (the modular path, CUDA: called with the router's top-k in global ids) and
@@ -36,6 +73,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
     original_init, original_loader = cls.__init__, cls.weight_loader
     original_apply, original_monolithic = method_cls.apply, method_cls.apply_monolithic
     original_load_model = base_loader.BaseModelLoader.load_model
+    original_modular, original_monolithic_forward = cls.forward_modular, cls.forward_monolithic
     device = "cpu" if current_platform.is_cpu() else "cuda"
     placement = parse_placement(os.environ.get(REMOTE_ENV, ""))
 
@@ -50,14 +88,16 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             layer = None
         remote = placement.get(layer)
         if remote:
-            if quant_config is not None or moe_config.has_bias or moe_config.moe_parallel_config.use_ep:
-                refuse(f"{layer_name}: a quantized, biased or expert-parallel MoE layer")
+            if moe_config.has_bias or moe_config.moe_parallel_config.use_ep:
+                refuse(f"{layer_name}: a biased or expert-parallel MoE layer")
             count, emap = side.expert_map(moe_config.num_experts, remote)
             expert_map_manager._local_num_experts, expert_map_manager._expert_map = count, emap
             moe_config.num_local_experts = count
         original_init(self, layer_name, params_dtype, moe_config, quant_config, expert_map_manager, *args, **kwargs)
         if not remote:
             return
+        if not isinstance(self.quant_method, method_cls):
+            return hold_quantized(self, layer, remote)
         backend = self.quant_method.unquantized_backend.name
         if backend not in ("CPU", "TRITON") or self.apply_router_weight_on_input:
             refuse(f"{layer_name}: vLLM's {backend} MoE kernels (they take no expert map; the Triton ones do), or "
@@ -72,8 +112,45 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         client.local[layer] = functools.partial(local_experts, self)
         self._hybrid_layer = layer
 
+    def hold_quantized(self, layer: int, remote: list[int]):
+        """A quantized layer's remote experts: the quant method's own parameters for them (create_weights on a
+        shadow module, E = the remote experts, as RoutedExperts.__init__ calls it for the local ones), the roles the
+        CPU pod reads placed in its region, so upstream's loader writes each remote expert there as it would here."""
+        fmt, roles = quantized_roles(self)
+        if self.apply_router_weight_on_input:
+            refuse(f"{self.layer_name}: router weights on the input")
+        params = dict(num_experts=len(remote), hidden_size=self.hidden_size,
+                      unpadded_hidden_size=self.moe_config.hidden_dim_unpadded,
+                      intermediate_size_per_partition=self.moe_config.intermediate_size_per_partition,
+                      params_dtype=self.params_dtype, weight_loader=self.weight_loader,
+                      global_num_experts=self.global_num_experts)
+        if self._needs_intermediate_size_param(self.quant_method):
+            params["intermediate_size_full"] = self.moe_config.intermediate_size
+        shadow = torch.nn.Module()
+        with torch.device("cpu"):
+            self.quant_method.create_weights(layer=shadow, **params)
+        shadow_params = dict(shadow.named_parameters())
+        client = side.client_from_env(device)
+        if not hasattr(client, "flat"):  # the first layer with remote experts: the region for them all
+            per_expert = sum(shadow_params[name].nbytes for name in roles.values()) // len(remote)
+            need = sum(per_expert * len(ids) + 4096 * len(roles) for ids in placement.values())  # every layer alike
+            # not page-locked: no large step copies from it, and the CPU pod gives its pages back once prepared
+            where = client.open_weights(int(os.environ.get(BYTES_ENV) or need), page_lock=False)
+            logger.info("experts: remote %s experts' weights go to the CPU pod's region, %s", fmt, where)
+        stacks = client.hold_quantized(
+            layer, fmt, {role: torch.empty_like(shadow_params[name], device="meta") for role, name in roles.items()},
+            self.hidden_size, self.params_dtype, self.top_k, self.global_num_experts)
+        for role, name in roles.items():
+            shadow_params[name].data = stacks[role]  # the loader writes the region (the attributes it reads stay)
+        client.local[layer] = functools.partial(local_experts, self)
+        self._hybrid_layer, self._hybrid_format = layer, fmt
+        self._hybrid_shadow = {name: (getattr(self, name, None), p) for name, p in shadow_params.items()}
+        self._hybrid_remote_index = {e: i for i, e in enumerate(remote)}
+
     def local_experts(layer, x, topk_weights, topk_ids):
         method = layer.quant_method
+        if getattr(layer, "_hybrid_format", None) is not None:
+            return local_quantized(layer, x, topk_weights, topk_ids)
         if device == "cuda":
             return original_apply(method, layer, x, topk_weights, topk_ids, None, None)
         local = layer.expert_map[topk_ids.long()]
@@ -83,8 +160,51 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
                                     renormalize=False, global_num_experts=layer.local_num_experts,
                                     custom_routing_function=lambda **_: (weights, ids), activation=layer.activation)
 
+    def quantized_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success):
+        """A remote expert's tensor of a quantized layer: upstream's loader, on the shadow parameter of the same
+        name, with the expert's index among the remote ones as its local id."""
+        shadow = next((p for real, p in self._hybrid_shadow.values() if real is param), None)
+        if shadow is None:
+            return False if return_success else None
+        self._map_global_expert_id_to_local_expert_id = self._hybrid_remote_index.__getitem__  # this call only
+        try:
+            return original_loader(self, shadow, loaded_weight, weight_name, shard_id, expert_id, return_success)
+        finally:
+            del self._map_global_expert_id_to_local_expert_id
+
+    def check_local_kernel(layer):
+        """The quantized layer's own kernel can leave the remote experts out: on CUDA a modular kernel under the
+        expert map (not every one reads it), on CPU vLLM's CPU kernels (routed here)."""
+        kernel = layer.quant_method.moe_kernel
+        experts = getattr(getattr(kernel, "impl", None), "fused_experts", None)
+        name = type(experts).__name__
+        if device == "cuda" and (layer.quant_method.is_monolithic
+                                 or not getattr(experts, "supports_expert_map", lambda: True)()):
+            refuse(f"{layer.layer_name}: vLLM's {name} kernel for these experts takes no expert map")
+        if device == "cpu" and layer.quant_method.is_monolithic and not name.startswith("CPUExperts"):
+            refuse(f"{layer.layer_name}: vLLM's {name} kernel (routing inside, not by cpu_fused_moe.select_experts)")
+
+    def local_quantized(layer, x, topk_weights, topk_ids):
+        """The main stage's experts of a quantized layer, by upstream's kernel: a modular one takes the global top-k
+        and the expert map (CUDA); vLLM's CPU ones (monolithic, no expert map) route inside, so their routing
+        (cpu_fused_moe.select_experts, which they import when called) gives local indexes, remote slots weighted 0."""
+        if not layer.quant_method.is_monolithic:
+            return original_modular(layer, x, topk_weights, topk_ids, None, None)
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        local = layer.expert_map[topk_ids.long()]
+        ids, weights = side.local_topk(local, layer.local_num_experts), torch.where(local >= 0, topk_weights, 0.0)
+        upstream, cpu_fused_moe.select_experts = cpu_fused_moe.select_experts, lambda *a, **k: (weights, ids)
+        try:
+            return original_monolithic_forward(layer, x, x.new_zeros(x.shape[0], layer.global_num_experts))
+        finally:
+            cpu_fused_moe.select_experts = upstream
+
     @functools.wraps(original_loader)
     def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        if getattr(self, "_hybrid_format", None) is not None:
+            if self._map_global_expert_id_to_local_expert_id(expert_id) == -1:
+                return quantized_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+            return original_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
         layer = getattr(self, "_hybrid_layer", None)
         if (layer is None or loaded_weight.ndim != 2 or (param is not self.w13_weight and param is not self.w2_weight)
                 or self._map_global_expert_id_to_local_expert_id(expert_id) != -1):
@@ -101,6 +221,9 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
     def load_model(self, *args, **kwargs):
         model = original_load_model(self, *args, **kwargs)
         client = side.CLIENT
+        for module in model.modules():  # upstream's kernel for the local experts is chosen by now
+            if getattr(module, "_hybrid_format", None) is not None:
+                check_local_kernel(module)
         if client is not None and client.side is None:
             threads = client.publish()
             logger.info("experts: %d remote experts of %d MoE layers (%.2f GB) computed by the CPU pod (%d threads) "
@@ -130,6 +253,18 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             layer.e_score_correction_bias)
         return torch.ops.hybrid.experts_moe(x, topk_weights, topk_ids, key)
 
+    @functools.wraps(original_modular)
+    def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        if getattr(self, "_hybrid_format", None) is None:
+            return original_modular(self, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return apply(None, self, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+
+    @functools.wraps(original_monolithic_forward)
+    def forward_monolithic(self, x, router_logits=None, input_ids=None):
+        if getattr(self, "_hybrid_format", None) is None:
+            return original_monolithic_forward(self, x, router_logits, input_ids)
+        return apply_monolithic(None, self, x, router_logits, input_ids)
+
     step_original = gpu_worker.Worker.execute_model
 
     @functools.wraps(step_original)
@@ -143,11 +278,13 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         return out
 
     cls.__init__, cls.weight_loader = __init__, weight_loader
+    cls.forward_modular, cls.forward_monolithic = forward_modular, forward_monolithic
     method_cls.apply, method_cls.apply_monolithic = apply, apply_monolithic
     gpu_worker.Worker.execute_model = execute_model
     base_loader.BaseModelLoader.load_model = load_model
-    return ("RoutedExperts.__init__/weight_loader + UnquantizedFusedMoEMethod.apply(_monolithic) + "
-                   "BaseModelLoader.load_model + Worker.execute_model(experts: remote experts in the CPU pod's region, computed there)")
+    return ("RoutedExperts.__init__/weight_loader/forward_modular/forward_monolithic + "
+            "UnquantizedFusedMoEMethod.apply(_monolithic) + BaseModelLoader.load_model + "
+            "Worker.execute_model(experts: remote experts in the CPU pod's region, computed there)")
 
 
 def apply() -> list[str]:

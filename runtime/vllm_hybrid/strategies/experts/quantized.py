@@ -53,9 +53,10 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
             w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
             awq: bool = False) -> QuantStacks:
-    """The stacks prepared for fused_experts_cpu by vLLM's own CPU preparation of `fmt` (new tensors: the int4
-    layout is larger than the checkpoint's, so it cannot be made in place). Shapes are checked first: a wrong
-    tensor fails here by name, not inside the kernel."""
+    """The stacks prepared for fused_experts_cpu by vLLM's own CPU preparation of `fmt`, in new memory (the int4 and
+    int8 layouts are larger than the checkpoint's, so they cannot be made in place; nothing refers to the inputs
+    after, so the region under them can be given back). Shapes are checked first: a wrong tensor fails here by
+    name, not inside the kernel."""
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     if fmt not in FORMATS:
@@ -71,7 +72,8 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
         return QuantStacks(f, p13, p2, (s13, s2), (z13, z2), expert_bytes=stored)
     pack = cpu_moe.prepare_fp8_moe_layer_for_cpu if fmt == "fp8-block" else cpu_moe.prepare_int8_moe_layer_for_cpu
     p13, p2 = pack(w13, w2)
-    return QuantStacks(f, p13, p2, (w13_scale.float(), w2_scale.float()),
+    # copies: the server gives the region's pages back once a layer is prepared (the scales too)
+    return QuantStacks(f, p13, p2, (w13_scale.float().clone(), w2_scale.float().clone()),
                        block=[BLOCK, BLOCK] if fmt == "fp8-block" else None, expert_bytes=stored)
 
 

@@ -3,11 +3,13 @@ routed to them, from the region the main stage's loader filled (the protocol: io
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 
 import torch
 
+from ...cpupod import hostmem
 from ...cpupod.packed import vllm_cpu_ops
 from ...cpupod.server import (
     Counters,
@@ -19,7 +21,16 @@ from ...cpupod.server import (
     weights_and_manifest,
 )
 from .io import DONE, LAYER, REQ, IoLayout, IoViews
-from .kernels import BATCH_ROWS, LayerExperts, Served, kernel_choice, layer_experts, measure_kernels, measured_words
+from .kernels import (
+    BATCH_ROWS,
+    LayerExperts,
+    Served,
+    kernel_choice,
+    layer_experts,
+    measure_kernels,
+    measured_words,
+    quantized_layer,
+)
 
 log = logging.getLogger("vllm_hybrid.experts")
 
@@ -55,7 +66,8 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     view = lambda off, n, k: flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k)
     t0 = time.perf_counter()
     per_layer = {m["layer"]: ([e["id"] for e in m["experts"]], [(view(*e["w13"]), view(*e["w2"])) for e in m["experts"]])
-                 for m in manifest["layers"]}
+                 for m in manifest["layers"] if "format" not in m}
+    quantized = [m for m in manifest["layers"] if "format" in m]
     # the bound of a step is its routed experts' bytes at this read: the kernels' GB/s are set beside it
     figures = {"dram_read_gbs": measure_dram_read(flat)}
     log.info("DRAM read %.1f GB/s (the region's first bytes, a max on %d threads)", figures["dram_read_gbs"],
@@ -72,15 +84,32 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
     from ... import stage_metrics  # on the stage's metrics (hybrid_stage_measured), as the coprocessor's
     stage_metrics.record_measured(figures, served.metrics if served else None)
     layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
+    layers |= {m["layer"]: quantized_from_region(flat, m) for m in quantized}
     kernels = sorted({ly.kernel_name for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
     packed = {str(layer): ly.kernel for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
     io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes, {"packed": packed}), layout, dtype)
     nbytes = sum(w.numel() * w.element_size() for ly in layers.values() for pair in ly.weights for w in pair)
+    nbytes += sum(ly.quant.expert_bytes * len(ly.ids) for ly in layers.values() if ly.quant is not None)
     log.info("serving %d experts of %d layers (%.2f GB) on %d threads with %s (ready in %.1f s)",
              sum(len(ly.ids) for ly in layers.values()), len(layers), nbytes / 1e9, torch.get_num_threads(),
              ", ".join(kernels), time.perf_counter() - t0)
     return serve(layers, io, stop=lambda: closed(conn), served=served)
+
+
+def quantized_from_region(flat: torch.Tensor, entry: dict) -> LayerExperts:
+    """A layer of quantized remote experts: the stacks the main stage's loader wrote (by role: w13, w13_scale, ...),
+    prepared for the kernel in this server's memory, then the region's pages under them given back (the copy is all
+    that is read from now on: the main stage sends every step of such a layer here)."""
+    tensors = {}
+    for role, (dtype, offset, *shape) in entry["tensors"].items():
+        dt = getattr(torch, dtype)
+        tensors[role] = flat[offset:offset + math.prod(shape) * dt.itemsize].view(dt).view(*shape)
+    layer = quantized_layer(entry["ids"], entry["format"], awq=entry.get("awq", False), **tensors)
+    freed = sum(hostmem.release(t) for t in tensors.values())
+    log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", entry["layer"], len(entry["ids"]),
+              entry["format"], freed / 1e6)
+    return layer
 
 
 def serve_metrics(port: int, served: Served) -> None:
