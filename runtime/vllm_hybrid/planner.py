@@ -247,7 +247,9 @@ def model_shape(config: dict, dtype: str = "auto") -> ModelShape:
                 raise PlanError(f"model: {arch} with dense MLP layers between its MoE ones (decoder_sparse_step, "
                                 "mlp_only_layers) is not supported: every layer must be a mixture of experts")
             shared = int(text.get(shared) or 0) if shared else 0
-            moe = {"experts": int(text[experts]), "routed": int(text[routed]), "intermediate": int(text[width]),
+            # transformers 5 writes Qwen-MoE's num_experts by its alias num_local_experts (both read the same)
+            count = text[experts if experts in text or "num_local_experts" not in text else "num_local_experts"]
+            moe = {"experts": int(count), "routed": int(text[routed]), "intermediate": int(text[width]),
                    "shared": shared, "shared_gate": shared > 0}
         layout = {"intermediate": moe.get("intermediate") or int(text["intermediate_size"]),
                   "head_dim": int(text.get("head_dim") or hidden // heads), **moe, **_layout(arch, text, hidden, heads)}

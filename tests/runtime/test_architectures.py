@@ -283,5 +283,15 @@ def test_hybrid_architectures_are_refused_by_name_and_unknown_ones_clearly(vllm_
         model_shape({**QWEN3_8B, "architectures": ["MambaForCausalLM"]})
 
 
+def test_a_qwen_moe_config_written_by_transformers_5_counts_its_experts_by_their_alias():
+    """transformers 5 writes Qwen2/3-MoE's num_experts as its alias num_local_experts (the hub's checkpoints, written
+    before, say num_experts): both are read, and a config with neither is refused by the key vLLM reads."""
+    hub = model_shape(QWEN3_30B_A3B)
+    written = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"} | {"num_local_experts": 128}
+    assert model_shape(written) == hub and hub.experts == 128
+    with pytest.raises(PlanError, match="config.json lacks num_experts"):
+        model_shape({k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"})
+
+
 if __name__ == "__main__":
     measure(Path(sys.argv[1]))
