@@ -256,6 +256,23 @@ def test_coprocessor_bfloat16_packed_sgl(tiny):
     assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
 
 
+def run_experts(model, prompts, dtype, name, graphs, gpu_env=None):
+    """strategy experts, 1 GPU stage (every layer) + the CPU pod holding the cpu stage's 3 layers' worth of experts:
+    greedy tokens, seconds to ready, the expert server's counters."""
+    plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
+            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
+            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
+            **local_ports()}
+    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"], gpu_env=gpu_env)) as pipe:
+        ready = pipe.wait_ready()
+        got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})["choices"][0]["token_ids"]
+               for p in prompts]
+        metrics = scrape(pipe.metrics_url(1))
+    return got, ready, {k.split("{")[0]: v for k, v in metrics.items() if k.startswith("hybrid_experts_")}
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("shared", [0, 192], ids=["mixtral", "qwen2-moe"])
 def test_experts_identity(tmp_path_factory, graphs, shared):
@@ -270,19 +287,8 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
     prompts = [*PROMPTS, long_prompt(moe)]
     ref = [r["ids"] for r in reference(moe, prompts, MAX_TOKENS, env=gpu_env, gpu_memory_utilization=0.3)]
     name = f"f32-experts{'-qwen2-moe' if shared else ''}-{'graphs' if graphs else 'eager'}"
-    plan = {"model": str(moe), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 512,
-            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
-            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
-            **local_ports()}
-    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"], gpu_env=gpu_env)) as pipe:
-        ready = pipe.wait_ready()
-        got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
-                                                         "temperature": 0, "ignore_eos": True,
-                                                         "return_token_ids": True})["choices"][0]["token_ids"]
-               for p in prompts]
-        metrics = scrape(pipe.metrics_url(1))
+    got, ready, served = run_experts(moe, prompts, "float32", name, graphs, gpu_env)
     gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
-    served = {k.split("{")[0]: v for k, v in metrics.items() if k.startswith("hybrid_experts_")}
     RESULTS[f"float32_experts_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "served": served,
                                           "gpu": [ln for ln in gpu_log.splitlines() if "experts:" in ln][-3:]}
     assert served.get("hybrid_experts_steps_total", 0) > 0, served
@@ -310,19 +316,8 @@ def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
     prompts = [*PROMPTS, long_prompt(model)]
     ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
     name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}"
-    plan = {"model": str(model), "served_model_name": "tiny", "dtype": "bfloat16", "max_model_len": 512,
-            "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
-            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
-            **local_ports()}
-    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"])) as pipe:
-        ready = pipe.wait_ready()
-        got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
-                                                         "temperature": 0, "ignore_eos": True,
-                                                         "return_token_ids": True})["choices"][0]["token_ids"]
-               for p in prompts]
-        metrics = scrape(pipe.metrics_url(1))
+    got, ready, served = run_experts(model, prompts, "bfloat16", name, graphs)
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
-    served = {k.split("{")[0]: v for k, v in metrics.items() if k.startswith("hybrid_experts_")}
     report = near_ties(ref, got)
     RESULTS[f"quantized_experts_{name}"] = {
         "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1), "served": served, "prompts": report,
