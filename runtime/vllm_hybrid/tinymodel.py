@@ -143,7 +143,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     quantization_config that compressed-tensors' ModelCompressor writes. The widths must suit the scheme
     (QUANTIZABLE_TINY suits them all).
 
-    scheme "gptq" writes AutoGPTQ's format instead (quant_method gptq, 4-bit, groups of 128, symmetric).
+    scheme "gptq" writes AutoGPTQ's format instead (quant_method gptq, 4-bit, groups of 128, symmetric), "awq"
+    AutoAWQ's (quant_method awq, 4-bit GEMM, groups of 128, zero points).
 
     It works on the checkpoint's tensors, not on a transformers model: transformers 5 fuses a MoE's experts into one
     3-D parameter, which apply_quantization_config (it targets Linear modules) would leave unquantized, while the
@@ -156,8 +157,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    if scheme not in QUANT_SCHEMES and scheme != "gptq":
-        raise ValueError(f"scheme {scheme!r}: one of {', '.join(QUANT_SCHEMES)}, gptq")
+    if scheme not in QUANT_SCHEMES and scheme not in ("gptq", "awq"):
+        raise ValueError(f"scheme {scheme!r}: one of {', '.join(QUANT_SCHEMES)}, gptq, awq")
     src, out = Path(src), Path(out)
     marker = out / "hybrid-quantized.json"
     source = src / "hybrid-tiny.json"
@@ -187,8 +188,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
                    if tensors[name].ndim == 2]
         for module, name in targets:
             weight = tensors.pop(name)
-            if scheme == "gptq":
-                tensors.update({f"{module}.{key}": value for key, value in _gptq(weight).items()})
+            if scheme in ("gptq", "awq"):
+                tensors.update({f"{module}.{key}": value for key, value in (_gptq if scheme == "gptq" else _awq)(
+                    weight).items()})
                 continue
             scale, zero_point = _weight_qparams(weight, qscheme.weights)
             local = compressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
@@ -204,10 +206,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     if (src / "model.safetensors.index.json").exists():
         index = json.loads((src / "model.safetensors.index.json").read_text())
         (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=1))
-    if scheme == "gptq":  # AutoGPTQ's config (its routers and lm_head are never quantized in vLLM's models)
+    if scheme in ("gptq", "awq"):  # AutoGPTQ's / AutoAWQ's config (routers and lm_head: never quantized in vLLM)
         config = json.loads((out / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-                                         "sym": True, "checkpoint_format": "gptq"}
+        config["quantization_config"] = (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"} if scheme == "gptq" else
+            {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
         (out / "config.json").write_text(json.dumps(config, indent=1))
     else:
         config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=ignore, format=qscheme.format,
@@ -215,6 +219,15 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
         ModelCompressor(quantization_config=config).update_config(str(out))
     marker.write_text(json.dumps(spec))
     return out
+
+
+def _awq(weight, group: int = 128) -> dict:
+    """An N x K weight as AutoAWQ writes it (4-bit GEMM version, a zero point per group): qweight K x N/8 int32
+    (8 output columns a word, in AutoAWQ's order), qzeros K/group x N/8 alike, scales K/group x N fp16; each
+    group's zero point is its own (min-max), so the format's zero points are really read."""
+    from .strategies.experts.quantized import quantize
+    q = quantize("w4a16-awq", weight[None].float(), group)
+    return {"qweight": q["w"][0].contiguous(), "qzeros": q["zeros"][0].contiguous(), "scales": q["scale"][0].contiguous()}
 
 
 def _gptq(weight, group: int = 128) -> dict:

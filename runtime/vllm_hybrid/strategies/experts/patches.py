@@ -7,8 +7,8 @@ import os
 
 from .io import BYTES_ENV, REMOTE_ENV, SOCKET_ENV, parse_placement
 
-SERVED_FORMATS = ("FP8 block-128, INT8 W8A8 (per channel, dynamic per token), compressed-tensors W4A16 (symmetric) and "
-                  "GPTQ 4-bit without act-order")
+SERVED_FORMATS = ("FP8 block-128, INT8 W8A8 (per channel, dynamic per token), compressed-tensors W4A16 (symmetric), "
+                  "GPTQ 4-bit without act-order and AWQ 4-bit")
 
 
 def quantized_roles(layer) -> tuple[str, dict[str, str]]:
@@ -38,6 +38,9 @@ def quantized_roles(layer) -> tuple[str, dict[str, str]]:
             return "w4a16", {"w13": "w13_qweight", "w2": "w2_qweight", "w13_scale": "w13_scales",
                              "w2_scale": "w2_scales"}
         what = f"GPTQ {config.quant_type.size_bits}-bit" + (" with act-order (desc_act)" if config.desc_act else "")
+    elif kind == "AutoAWQMoEMethod":  # 4-bit only (AutoAWQConfig refuses others); zero points read
+        return "w4a16-awq", {"w13": "w13_qweight", "w2": "w2_qweight", "w13_scale": "w13_scales",
+                             "w2_scale": "w2_scales", "w13_zeros": "w13_qzeros", "w2_zeros": "w2_qzeros"}
     elif kind == "CompressedTensorsW8A8Int8MoEMethod":
         return "int8", {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale",
                         "w2_scale": "w2_weight_scale"}

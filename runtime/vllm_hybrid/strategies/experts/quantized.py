@@ -10,6 +10,7 @@ The formats (ExpertFormat.name), each with the tensors it takes per stack of E e
   w4a16      w int32 E x K/8 x N (8 int4 along K, GPTQ's and compressed-tensors' packing), scale E x K/G x N
              (bf16/fp16, groups of G inputs), zeros E x K/G x N/8 (packed, absent: symmetric); vLLM computes it with
              int8 activations per token on the CPU (INT4_W4A8), as here
+  w4a16-awq  the same from AutoAWQ's layout: w int32 E x K x N/8 (8 columns along N in AWQ's order), zeros as w
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class ExpertFormat:
 
 FORMATS = {f.name: f for f in (ExpertFormat("fp8-block", "FP8_W8A16", torch.float8_e4m3fn),
                                ExpertFormat("int8", "INT8_W8A8", torch.int8),
-                               ExpertFormat("w4a16", "INT4_W4A8", torch.int32))}
+                               ExpertFormat("w4a16", "INT4_W4A8", torch.int32),
+                               ExpertFormat("w4a16-awq", "INT4_W4A8", torch.int32))}
 
 
 @dataclass
@@ -51,8 +53,7 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 
 def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
-            w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
-            awq: bool = False) -> QuantStacks:
+            w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None) -> QuantStacks:
     """The stacks prepared for fused_experts_cpu by vLLM's own CPU preparation of `fmt`, in new memory (the int4 and
     int8 layouts are larger than the checkpoint's, so they cannot be made in place; nothing refers to the inputs
     after, so the region under them can be given back). Shapes are checked first: a wrong tensor fails here by
@@ -65,8 +66,8 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
     check_shapes(f, w13, w2, w13_scale, w2_scale)
     stored = tensor_bytes(w13[0], w2[0], w13_scale[0], w2_scale[0],
                           *(z[0] for z in (w13_zeros, w2_zeros) if z is not None))
-    if fmt == "w4a16":
-        algo = cpu_moe.CPUQuantAlgo.AWQ if awq else cpu_moe.CPUQuantAlgo.GPTQ
+    if fmt.startswith("w4a16"):
+        algo = cpu_moe.CPUQuantAlgo.AWQ if fmt == "w4a16-awq" else cpu_moe.CPUQuantAlgo.GPTQ
         # packed zero points as int32 words, however the quant method declared them (as vLLM's _process_weights_cpu)
         w13_zeros, w2_zeros = (z if z is None or z.dtype == torch.int32 else z.view(torch.int32)
                                for z in (w13_zeros, w2_zeros))
@@ -86,6 +87,13 @@ def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:
                          f"w2 {tuple(w2.shape)}, scales {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)})")
     if w13.dtype != f.weight_dtype or w2.dtype != f.weight_dtype:
         fail(f"weights are {f.weight_dtype}")
+    if f.name == "w4a16-awq":
+        (e, h, n2_8), (_, i, h8) = w13.shape, w2.shape
+        if n2_8 * 8 != 2 * i or h8 * 8 != h:
+            fail("w13 is E x H x 2I/8 and w2 E x I x H/8 (int4 packed along the outputs)")
+        if w13_scale.shape[::2] != (e, 2 * i) or w2_scale.shape[::2] != (e, h):
+            fail("scales are E x groups x N")
+        return
     if f.name == "w4a16":
         (e, k8, n2), (_, i8, h) = w13.shape, w2.shape
         if n2 != 2 * i8 * 8 or h != k8 * 8:
@@ -127,6 +135,15 @@ def quantize(fmt: str, w: torch.Tensor, group: int = 128) -> dict[str, torch.Ten
         scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
         q = (w / scale).round().clamp(-127, 127)
         return {"w": q.to(torch.int8), "scale": scale, "dequantized": q * scale}
+    if fmt == "w4a16-awq":  # a zero point per group (min-max), AutoAWQ's packing along the outputs
+        groups = w.transpose(1, 2).reshape(e, k // group, group, n)
+        lo, hi = groups.amin(dim=2, keepdim=True).clamp(max=0), groups.amax(dim=2, keepdim=True).clamp(min=0)
+        scale = ((hi - lo).clamp(min=1e-8) / 15).half().float()
+        zero = (-lo / scale).round().clamp(0, 15)
+        q = ((groups / scale).round() + zero).clamp(0, 15)
+        dequantized = ((q - zero) * scale).reshape(e, k, n).transpose(1, 2)
+        return {"w": pack_awq(q.to(torch.int32).reshape(e, k, n)), "scale": scale.reshape(e, k // group, n).half(),
+                "zeros": pack_awq(zero.to(torch.int32).reshape(e, k // group, n)), "dequantized": dequantized}
     if fmt == "w4a16":
         groups = w.reshape(e, n, k // group, group)
         scale = (groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 7).bfloat16().float()
@@ -138,3 +155,15 @@ def quantize(fmt: str, w: torch.Tensor, group: int = 128) -> dict[str, torch.Ten
         return {"w": packed, "scale": scale.squeeze(-1).transpose(1, 2).contiguous().bfloat16(),
                 "dequantized": (q * scale).reshape(e, n, k)}
     raise ValueError(f"quantize: {fmt!r} is one of {', '.join(FORMATS)}")
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order of 8 output columns in a word (its GEMM kernel's)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """... x N int4 values (0-15) -> ... x N/8 int32, 8 columns a word in AWQ_ORDER."""
+    cols = values.reshape(*values.shape[:-1], values.shape[-1] // 8, 8)
+    out = torch.zeros(cols.shape[:-1], dtype=torch.int32)
+    for i, c in enumerate(AWQ_ORDER):
+        out |= cols[..., c] << (4 * i)
+    return out

@@ -105,7 +105,7 @@ def quantized_from_region(flat: torch.Tensor, entry: dict) -> LayerExperts:
     for role, (dtype, offset, *shape) in entry["tensors"].items():
         dt = getattr(torch, dtype)
         tensors[role] = flat[offset:offset + math.prod(shape) * dt.itemsize].view(dt).view(*shape)
-    layer = quantized_layer(entry["ids"], entry["format"], awq=entry.get("awq", False), **tensors)
+    layer = quantized_layer(entry["ids"], entry["format"], **tensors)
     freed = sum(hostmem.release(t) for t in tensors.values())
     log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", entry["layer"], len(entry["ids"]),
               entry["format"], freed / 1e6)
