@@ -110,8 +110,9 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLL
 TOKENS = 16
 # FP8 block-128 on the experts only: vLLM's CPU FP8 block linear kernel (attention) needs AMX, its MoE kernel does
 # not (CI's CPUs have none); the other formats quantize every linear layer, as their checkpoints do
-CASES = [("mixtral", "w4a16"), ("mixtral", "int8"), ("mixtral", "fp8-block"), ("qwen3_moe", "w4a16"),
-         ("mixtral", "gptq"), ("qwen3_moe", "awq")]  # AutoGPTQ's and AutoAWQ's formats: computed as W4A16
+# (each case starts vLLM twice, about a minute on CI's 2 cores: one architecture case per format)
+CASES = [("mixtral", "w4a16"), ("mixtral", "int8"), ("mixtral", "fp8-block"), ("mixtral", "gptq"),
+         ("qwen3_moe", "awq")]  # AutoGPTQ's and AutoAWQ's formats: computed as W4A16
 
 
 @pytest.fixture(scope="module")
