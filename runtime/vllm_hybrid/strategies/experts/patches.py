@@ -5,10 +5,7 @@ from __future__ import annotations
 import functools
 import os
 
-from .io import BYTES_ENV, REMOTE_ENV, SOCKET_ENV, parse_placement
-
-SERVED_FORMATS = ("FP8 block-128, INT8 W8A8 (per channel, dynamic per token), compressed-tensors W4A16 (symmetric), "
-                  "GPTQ 4-bit without act-order and AWQ 4-bit")
+from .io import BYTES_ENV, REMOTE_ENV, SERVED_FORMATS, SOCKET_ENV, parse_placement
 
 
 def quantized_roles(layer) -> tuple[str, dict[str, str]]:

@@ -14,7 +14,7 @@ The formats (ExpertFormat.name), each with the tensors it takes per stack of E e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,6 @@ class QuantStacks:
     zeros: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     block: list[int] | None = None
     expert_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
