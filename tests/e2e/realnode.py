@@ -66,7 +66,7 @@ class RealNode:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         run(["bash", str(NODE_SCRIPTS / "install.sh"), str(kube_cluster.KUBE_BIN)])
         self.times["control plane"] = self.cluster.up()
-        run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
+        self.node_up()
         self.times["node up"] = time.monotonic() - t0 - self.times["control plane"]
         return self
 
@@ -75,11 +75,24 @@ class RealNode:
         t0 = time.monotonic()
         run(["bash", str(NODE_SCRIPTS / "node-down.sh")], self.env)
         self.env["RN_CPU_MANAGER"] = cpu_manager
-        run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
+        self.node_up()
         # node-down.sh cordoned it (so replacements wait instead of failing): schedulable again, as after a drain
         for node in self.cluster.get("nodes")["items"]:
             self.cluster.kubectl("uncordon", node["metadata"]["name"])
         return time.monotonic() - t0
+
+    def node_up(self) -> None:
+        """node-up.sh, once more when it says a daemon "exited" that in fact runs: its check reads the pid's
+        /proc cmdline right after start_bg wrote the pid, and once (stop 51's CI) CoreDNS printed its banner
+        after node-up had given it up. node-up.sh is idempotent: a second run finds it running and goes on."""
+        try:
+            run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
+        except AssertionError as failure:
+            if "exited" not in str(failure):
+                raise
+            self.times["node-up reruns"] = self.times.get("node-up reruns", 0) + 1
+            print(f"[real node] node-up.sh again after: {str(failure)[-400:]}")
+            run(["bash", str(NODE_SCRIPTS / "node-up.sh")], self.env)
 
     def down(self) -> None:
         subprocess.run(["bash", str(NODE_SCRIPTS / "node-down.sh")], env=self.env, capture_output=True, timeout=300)
