@@ -92,9 +92,11 @@ def weight_format(config: dict, dtype: str) -> WeightFormat:
         return fmt
     if method == "compressed-tensors":
         return _compressed_tensors(q)
+    if method == "mxfp4":  # gpt-oss's own: the routed experts only (vLLM's Mxfp4Config leaves linear layers unquantized)
+        return WeightFormat("MXFP4", method, 4, group=32, scale_bytes=1, quantized_roles=frozenset({"experts"}))
     if method:
         raise PlanError(f"model: quantization_config quant_method {method!r} is not supported (the planner sizes "
-                        "fp8, gptq, awq and compressed-tensors checkpoints)")
+                        "fp8, gptq, awq, mxfp4 and compressed-tensors checkpoints)")
     raise PlanError("model: quantization_config without a quant_method")
 
 

@@ -20,6 +20,7 @@ GiB = 1 << 30
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
     "GraniteForCausalLM", "InternLM2ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 }
 _LINEAR_ATTENTION = ("vLLM 0.26 runs it as a hybrid whose linear-attention (Gated DeltaNet) layers keep a fixed-size "
                      "recurrent state instead of a KV cache, which the planner does not size")
@@ -36,7 +37,8 @@ MOE_EXPERTS_KEY = {"MixtralForCausalLM": ("num_local_experts", "num_experts_per_
                    "Qwen2MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                            "shared_expert_intermediate_size"),
                    "Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                           "shared_expert_intermediate_size")}
+                                           "shared_expert_intermediate_size"),
+                   "GptOssForCausalLM": ("num_local_experts", "num_experts_per_tok", "intermediate_size", None)}
 # transformers' defaults (vLLM reads config.json through its config classes) for keys a config.json may leave out,
 # where they are fixed numbers rather than derived from the other keys
 CONFIG_DEFAULTS = {
@@ -73,6 +75,8 @@ class ModelShape:
     o_bias: bool = False
     mlp_bias: bool = False  # gate_up's and down's (dense MLPs only)
     qk_norm: bool = False   # a head_dim-wide RMSNorm of q and of k (Qwen3)
+    expert_bias: bool = False  # each routed expert's gate_up and down biases, and the router's (gpt-oss)
+    sinks: bool = False     # attention sinks: a logit per head (gpt-oss)
     norms: int = 2          # hidden-wide norms: before attention and MLP (Gemma-2: after each too)
     fmt: WeightFormat | None = None  # the checkpoint's quantization (formats.py); None: every weight in `dtype`
 
@@ -103,6 +107,8 @@ class ModelShape:
                 + [(h, 1, None, self.norms)] + ([(q_kv, 1, None, 1)] if self.qkv_bias else [])
                 + ([(h, 1, None, 1)] if self.o_bias else []) + ([(2 * i, 1, None, 1), (h, 1, None, 1)] if self.mlp_bias else [])
                 + ([(hd, 1, None, 2)] if self.qk_norm else []) + ([(self.experts, h, None, 1)] if self.experts else [])
+                + ([(e * 2 * i, 1, None, 1), (e * h, 1, None, 1), (e, 1, None, 1)] if self.expert_bias else [])
+                + ([(self.heads, 1, None, 1)] if self.sinks else [])
                 + ([(2 * s, h, "shared_expert", 1), (h, s, "shared_expert", 1)] if s else [])
                 + ([(h, 1, None, 1)] if self.shared_gate else []))
 
@@ -116,6 +122,7 @@ class ModelShape:
                 + ([q_kv] if self.qkv_bias else []) + ([h] if self.o_bias else [])
                 + ([2 * i, h] if self.mlp_bias else []) + ([hd, hd] if self.qk_norm else [])
                 + ([e * h] if self.experts else []) + ([2 * s * h, h * s] if s else [])
+                + ([e * 2 * i, e * h, e] if self.expert_bias else []) + ([self.heads] if self.sinks else [])
                 + ([h] if self.shared_gate else []))
 
     @property
@@ -137,8 +144,9 @@ class ModelShape:
         """Bytes of one routed expert in the checkpoint's format; 0 for a dense model."""
         if not self.experts:
             return 0
-        return self._bytes(2 * self.intermediate, self.hidden, "experts") + self._bytes(self.hidden, self.intermediate,
-                                                                                        "experts")
+        return (self._bytes(2 * self.intermediate, self.hidden, "experts")
+                + self._bytes(self.hidden, self.intermediate, "experts")
+                + ((2 * self.intermediate + self.hidden) * self.dtype_bytes if self.expert_bias else 0))
 
     @property
     def layer_expert_bytes(self) -> int:
@@ -218,6 +226,8 @@ def _layout(arch: str, text: dict, hidden: int, heads: int) -> dict:
         return {"qkv_bias": bool(text.get("attention_bias")), "o_bias": bool(text.get("attention_bias")), "norms": 4}
     if arch == "InternLM2ForCausalLM":  # no biases, whatever config.bias says; head_dim: hidden / heads
         return {"head_dim": hidden // heads}
+    if arch == "GptOssForCausalLM":  # biases everywhere (qkv, o, experts, router), a sink per head
+        return {"qkv_bias": True, "o_bias": True, "expert_bias": True, "sinks": True}
     return {}  # Mixtral: the Llama layout, experts for the MLP
 
 

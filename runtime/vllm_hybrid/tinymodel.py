@@ -93,6 +93,49 @@ def make_tiny_llama(out: str | Path, layers: int = 4, hidden: int = 128, heads: 
     return out
 
 
+def make_tiny_gpt_oss(out: str | Path, layers: int = 4, hidden: int = 256, experts: int = 4, seed: int = 0) -> Path:
+    """A tiny gpt-oss (GptOssForCausalLM: biased experts on a clamped SwiGLU, attention sinks, sliding and full
+    attention layers in turn) whose routed experts are MXFP4 as gpt-oss ships them (`*_blocks`: FP4 E2M1 pairs,
+    `*_scales`: E8M0 per 32 inputs, quantization_config "mxfp4"); everything else bf16. Idempotent."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from .strategies.experts.quantized import MX_GROUP, quantize
+
+    out = Path(out)
+    marker = out / "hybrid-tiny.json"
+    spec = dict(arch="gpt_oss", layers=layers, hidden=hidden, experts=experts, seed=seed, experts_format="mxfp4")
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(out)
+    torch.manual_seed(seed)
+    config = GptOssConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_local_experts=experts,
+        num_experts_per_tok=2, max_position_embeddings=2048, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 1.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 2048, "truncate": False},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+    GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    weights = load_file(out / "model.safetensors")
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = weights.pop(name).transpose(1, 2)  # E x in x out -> E x out x in: MXFP4 groups run along the inputs
+        q = quantize("mxfp4", w)
+        e, n, k = w.shape
+        weights[name + "_blocks"] = q["w"].reshape(e, n, k // MX_GROUP, MX_GROUP // 2).contiguous()
+        weights[name + "_scales"] = q["scale"].contiguous()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    marker.write_text(json.dumps(spec))
+    return out
+
+
 # The widths of a tiny model every quantized format below loads with, on vLLM's CPU and CUDA kernels: each product's
 # input and output a multiple of 128 (FP8 block-128: 128x128 weight blocks, and vLLM wants every part of a merged
 # product but the last, q and k of qkv, gate of gate_up, a whole number of blocks), the W4A16 groups (128) whole,

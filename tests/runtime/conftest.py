@@ -1,6 +1,6 @@
 import pytest
 from pipelines import MAX_TOKENS, PROMPTS, reference
-from vllm_hybrid.tinymodel import make_tiny_llama
+from vllm_hybrid.tinymodel import make_tiny_gpt_oss, make_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +26,19 @@ def tiny_qwen2_moe(tmp_path_factory):
     """A mixture of experts with a shared expert that every token runs (Qwen2-MoE: 4 experts, 2 routed)."""
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-qwen2-moe", layers=4, dtype="float32", experts=4,
                            shared=192)
+
+
+GPT_OSS_TOKENS = 16
+GPT_OSS_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory):
+    """A 4-layer gpt-oss whose experts are MXFP4, as gpt-oss ships (4 experts, 2 routed; bf16 elsewhere)."""
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / "tiny-gpt-oss", layers=4)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_reference_ids(tiny_gpt_oss):
+    """Single-process vLLM's greedy tokens for two prompts on it, in bf16 (one start for every test that compares)."""
+    return [r["ids"] for r in reference(tiny_gpt_oss, PROMPTS[:2], GPT_OSS_TOKENS, dtype="bfloat16", env=GPT_OSS_ENV)]

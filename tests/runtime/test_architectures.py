@@ -37,6 +37,17 @@ GEMMA_2_9B = {  # its config.json says float32 and leaves tie_word_embeddings to
     "sliding_window": 4096, "vocab_size": 256000, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
     "torch_dtype": "float32",
 }
+GPT_OSS_20B = {  # as unsloth/gpt-oss-20b-BF16 publishes it (openai's own ships MXFP4: MXFP4_GPT_OSS below)
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "initial_context_length": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "experts_per_token": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088,
+    "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+}
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
     "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
@@ -116,6 +127,9 @@ CONFIGS = {
     "Mixtral-8x7B": MIXTRAL_8X7B,
     "Qwen2-57B-A14B": QWEN2_57B_A14B,  # a shared expert and its gate, a bias on qkv
     "Qwen3-30B-A3B": QWEN3_30B_A3B,
+    "gpt-oss-120b bf16": {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+                          "layer_types": ["sliding_attention", "full_attention"] * 18},
+    "gpt-oss-20b bf16": GPT_OSS_20B,  # biased experts and router, a sink per head, window and full layers in turn
     "Qwen3-235B-A22B": {**QWEN3_30B_A3B, "hidden_size": 4096, "intermediate_size": 12288,
                         "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_hidden_layers": 94,
                         "max_window_layers": 94},  # 128 experts, top-8, no shared expert, q/k norms
@@ -137,6 +151,8 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
         "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                          ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]}
 FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+MXFP4_GPT_OSS = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 QUANTIZED = {  # name: (a model of CONFIGS, its quantization_config)
     "Llama-3.1-8B W4A16 compressed-tensors": ("Llama-3.1-8B", W4A16_CT),
@@ -149,6 +165,8 @@ QUANTIZED = {  # name: (a model of CONFIGS, its quantization_config)
     "Llama-3.1-8B FP8 block-128": ("Llama-3.1-8B", FP8_BLOCK),
     "Qwen3-30B-A3B FP8 block-128": ("Qwen3-30B-A3B", FP8_BLOCK),  # as Qwen3-30B-A3B-FP8 ships
     "Qwen3-235B-A22B FP8 block-128": ("Qwen3-235B-A22B", FP8_BLOCK),
+    "gpt-oss-20b MXFP4": ("gpt-oss-20b bf16", MXFP4_GPT_OSS),  # as openai/gpt-oss-20b ships
+    "gpt-oss-120b MXFP4": ("gpt-oss-120b bf16", MXFP4_GPT_OSS),
     "Qwen3-30B-A3B W4A16 compressed-tensors": ("Qwen3-30B-A3B", {**W4A16_CT, "ignore": ["lm_head", "re:.*mlp.gate$"]}),
 }
 
@@ -159,7 +177,8 @@ def quantized(name: str) -> dict:
 
 
 def cut(config: dict) -> dict:
-    return {**config, "num_hidden_layers": LAYERS}
+    return {**config, "num_hidden_layers": LAYERS,
+            **({"layer_types": config["layer_types"][:LAYERS]} if "layer_types" in config else {})}
 
 
 def measure(work: Path) -> None:

