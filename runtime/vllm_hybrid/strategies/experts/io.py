@@ -34,7 +34,8 @@ SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV, COUNTS_ENV = (
     "HYBRID_EXPERTS_COUNTS")
 COUNTS_EVERY_ENV = "HYBRID_EXPERTS_COUNTS_EVERY"  # seconds of serving between two saves of the routing counts
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
-SERVED_FORMATS = "FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order or AWQ"
+SERVED_FORMATS = ("FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order, AWQ or "
+                  "gpt-oss's MXFP4")
 DEFAULT_MAX_ROWS = 64  # larger steps compute the remote experts on the main stage's device
 KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"  # the cpu stage's: the expert server's kernel (kernels.kernel_choice)
 

@@ -38,6 +38,9 @@ def quantized_roles(layer) -> tuple[str, dict[str, str]]:
     elif kind == "AutoAWQMoEMethod":  # 4-bit only (AutoAWQConfig refuses others); zero points read
         return "w4a16-awq", {"w13": "w13_qweight", "w2": "w2_qweight", "w13_scale": "w13_scales",
                              "w2_scale": "w2_scales", "w13_zeros": "w13_qzeros", "w2_zeros": "w2_qzeros"}
+    elif kind == "GptOssMxfp4MoEMethod":  # biased experts, gpt-oss's clamped SwiGLU (quantized.GPT_OSS_SWIGLU)
+        return "mxfp4", {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale",
+                         "w2_scale": "w2_weight_scale", "w13_bias": "w13_bias", "w2_bias": "w2_bias"}
     elif kind == "CompressedTensorsW8A8Int8MoEMethod":
         return "int8", {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale",
                         "w2_scale": "w2_weight_scale"}
@@ -58,7 +61,8 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
     #   CPU pod reads (quantized_roles) placed in the region.
     # - RoutedExperts.weight_loader: upstream drops an expert the map says is not local; a remote one is written
     #   into its room in the region instead, with upstream's own w1/w3 (halves of w13) and w2 shard helpers (a
-    #   quantized layer's: upstream's whole loader on the shadow parameter, the expert's remote index its local id).
+    #   quantized layer's: upstream's whole loader on the shadow parameter, the expert's remote index its local id;
+    #   gpt-oss's loader hands every expert's tensor at once, expert_id None: its rows split by the map).
     # - RoutedExperts.forward_modular / forward_monolithic (quantized layers; each quant method has its own apply):
     #   as UnquantizedFusedMoEMethod.apply(_monolithic) below; their local experts by upstream's kernel for them.
     # - base_loader.BaseModelLoader.load_model: once the weights are in, the manifest goes to the CPU pod (and a
@@ -96,7 +100,9 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             layer = None
         remote = placement.get(layer)
         if remote:
-            if moe_config.has_bias or moe_config.moe_parallel_config.use_ep:
+            # biases: gpt-oss's MXFP4 experts only (their roles carry them to the CPU pod)
+            mxfp4 = quant_config is not None and quant_config.get_name() == "gpt_oss_mxfp4"
+            if (moe_config.has_bias and not mxfp4) or moe_config.moe_parallel_config.use_ep:
                 refuse(f"{layer_name}: a biased or expert-parallel MoE layer")
             count, emap = side.expert_map(moe_config.num_experts, remote)
             expert_map_manager._local_num_experts, expert_map_manager._expert_map = count, emap
@@ -135,8 +141,12 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         if self._needs_intermediate_size_param(self.quant_method):
             params["intermediate_size_full"] = self.moe_config.intermediate_size
         shadow = torch.nn.Module()
+        # create_weights keeps sizes on the method too (GptOssMxfp4MoEMethod: num_experts, which its kernel set-up
+        # checks against the layer's): the shadow's call leaves the method as the layer's own call left it
+        method_state = dict(vars(self.quant_method))
         with torch.device("cpu"):
             self.quant_method.create_weights(layer=shadow, **params)
+        vars(self.quant_method).update(method_state)
         shadow_params = dict(shadow.named_parameters())
         client = side.client_from_env(device)
         if not hasattr(client, "flat"):  # the first layer with remote experts: the region for them all
@@ -207,9 +217,25 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         finally:
             cpu_fused_moe.select_experts = upstream
 
+    def stacked_loader(self, param, loaded_weight, weight_name, shard_id, return_success):
+        """Every expert's tensor at once (gpt-oss's loader: expert_id None, upstream copies the stack whole): the
+        main stage's experts' rows to upstream's loader on the layer's parameter, the remote ones' to it on the
+        shadow parameter of the same name."""
+        local = (self.expert_map >= 0).nonzero().squeeze(1)
+        local = local[self.expert_map[local].argsort()]  # in local index order
+        ok = original_loader(self, param, loaded_weight[local.to(loaded_weight.device)], weight_name, shard_id, None,
+                             return_success)
+        shadow = next((p for real, p in self._hybrid_shadow.values() if real is param), None)
+        if shadow is not None:
+            remote = torch.tensor(list(self._hybrid_remote_index), device=loaded_weight.device)  # remote index order
+            original_loader(self, shadow, loaded_weight[remote], weight_name, shard_id, None, return_success)
+        return ok
+
     @functools.wraps(original_loader)
     def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
         if getattr(self, "_hybrid_format", None) is not None:
+            if expert_id is None:
+                return stacked_loader(self, param, loaded_weight, weight_name, shard_id, return_success)
             if self._map_global_expert_id_to_local_expert_id(expert_id) == -1:
                 return quantized_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
             return original_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
