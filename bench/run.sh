@@ -4,7 +4,8 @@
 #   b-offload-uva, b-prefetch-plain, e-coproc, e-coproc-huge (strategy coprocessor, 4 KiB / 2 MiB pages), e-coproc-untuned (its split not tuned on timed passes), e-coproc-torch (its server on torch's GEMM, not the packed sgl one), e-coproc-passive (its server's threads asleep between calls), e-auto (the stages measure the node at start and resolve auto on it),
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
-#   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-passive
+#   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b|qwen3-235b-a22b-w4a16|
+#   mixtral-8x7b-w4a16|gpt-oss-120b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-passive
 #   p-auto p-prefetch-plain (split by the planner from this box's memories); at about a second a step use
 #   HYBRID_BENCH_CONCURRENCY=1,4,16 HYBRID_BENCH_PROMPT_TOKENS=32 HYBRID_BENCH_OUTPUT_TOKENS=16
 #   HYBRID_BENCH_TTFT=1024 HYBRID_BENCH_BATCHED_TOKENS=512 (bench/results/README.md): about 5 minutes each.
@@ -15,9 +16,10 @@ python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp
 export HYBRID_GPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-gpu:/tmp/vb/deps HYBRID_CPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HYBRID_BENCH_OUT=${HYBRID_BENCH_OUT:-bench/results}
 mkdir -p "$HYBRID_BENCH_OUT"
-# what the CPU stage's GEMMs reach here, and which kernel/placement the pipeline runs then use
-[ -f "$HYBRID_BENCH_OUT/cpu_kernels.json" ] || PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps CUDA_VISIBLE_DEVICES= \
-  VLLM_TARGET_DEVICE=cpu python3 bench/cpu_kernels.py "$HYBRID_BENCH_OUT/cpu_kernels.json"
+# what the CPU stage's GEMMs reach on this box, and which kernel/placement every configuration's CPU stage then uses
+# (measured once per machine: a file measured on another box, a committed one included, is measured again)
+PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps CUDA_VISIBLE_DEVICES= \
+  VLLM_TARGET_DEVICE=cpu python3 bench/cpu_kernels.py "$HYBRID_BENCH_OUT/cpu_kernels.json" || exit 1
 PYTHONPATH=/tmp/hyb:/tmp/vb/deps:/tmp/vb/site-gpu python3 bench/gpu_bench.py "$@" & bench=$!
 # a timeout's SIGTERM (or ^C) reaches the bench, which stops its vLLM stages (they hold the GPU otherwise)
 trap 'kill -TERM $bench 2>/dev/null; wait $bench; exit 143' TERM INT

@@ -340,3 +340,35 @@ LLAMA_3_1_8B = {
 # the same architecture, wider and deeper
 LLAMA_3_1_70B = {**LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                  "num_attention_heads": 64}
+
+# Qwen3-235B-A22B: 94 layers of 128 experts (8 routed, 1536 wide), q/k norms, no shared expert
+QWEN3_235B_A22B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "max_position_embeddings": 40960, "max_window_layers": 94, "num_attention_heads": 64,
+    "num_hidden_layers": 94, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "use_sliding_window": False,
+    "tie_word_embeddings": False, "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+# W4A16 in groups of 128 as llm-compressor writes it (compressed-tensors pack-quantized), the routers left out
+W4A16_GROUP128 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                                              "symmetric": True, "dynamic": False}}}}
+# gpt-oss-120b as openai ships it: 36 layers of 128 biased experts (4 routed) in MXFP4, sinks, window/full attention
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "initial_context_length": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "experts_per_token": 4, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "num_local_experts": 128, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088,
+    "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}

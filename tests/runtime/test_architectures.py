@@ -15,19 +15,18 @@ from pathlib import Path
 import pytest
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, model_shape, split_layers
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B, MIXTRAL_8X7B, QWEN2_57B_A14B
+from vllm_hybrid.tinymodel import (
+    GPT_OSS_120B,
+    LLAMA_3_1_8B,
+    MIXTRAL_8X7B,
+    QWEN2_57B_A14B,
+    QWEN3_235B_A22B,
+    W4A16_GROUP128,
+)
 
 LAYERS = 2  # Gemma-2's: one sliding-window layer and one full-attention one
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "max_position_embeddings": 40960, "max_window_layers": 48, "num_attention_heads": 32,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "use_sliding_window": False,
-    "tie_word_embeddings": False, "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151645,
-    "torch_dtype": "bfloat16",
-}
+QWEN3_30B_A3B = {**QWEN3_235B_A22B, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_attention_heads": 32, "num_hidden_layers": 48, "max_window_layers": 48}  # the same layout
 GEMMA_2_9B = {  # its config.json says float32 and leaves tie_word_embeddings to Gemma2Config's default (tied)
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "cache_implementation": "hybrid",
@@ -38,15 +37,8 @@ GEMMA_2_9B = {  # its config.json says float32 and leaves tie_word_embeddings to
     "torch_dtype": "float32",
 }
 GPT_OSS_20B = {  # as unsloth/gpt-oss-20b-BF16 publishes it (openai's own ships MXFP4: MXFP4_GPT_OSS below)
-    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
-    "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "initial_context_length": 4096,
-    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
-    "num_attention_heads": 64, "num_experts_per_tok": 4, "experts_per_token": 4, "num_hidden_layers": 24,
-    "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                     "rope_type": "yarn", "truncate": False}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
-    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088,
-    "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+    **{k: v for k, v in GPT_OSS_120B.items() if k != "quantization_config"}, "num_hidden_layers": 24,
+    "num_local_experts": 32, "layer_types": ["sliding_attention", "full_attention"] * 12,
 }
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
@@ -127,12 +119,9 @@ CONFIGS = {
     "Mixtral-8x7B": MIXTRAL_8X7B,
     "Qwen2-57B-A14B": QWEN2_57B_A14B,  # a shared expert and its gate, a bias on qkv
     "Qwen3-30B-A3B": QWEN3_30B_A3B,
-    "gpt-oss-120b bf16": {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
-                          "layer_types": ["sliding_attention", "full_attention"] * 18},
+    "gpt-oss-120b bf16": {k: v for k, v in GPT_OSS_120B.items() if k != "quantization_config"},
     "gpt-oss-20b bf16": GPT_OSS_20B,  # biased experts and router, a sink per head, window and full layers in turn
-    "Qwen3-235B-A22B": {**QWEN3_30B_A3B, "hidden_size": 4096, "intermediate_size": 12288,
-                        "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_hidden_layers": 94,
-                        "max_window_layers": 94},  # 128 experts, top-8, no shared expert, q/k norms
+    "Qwen3-235B-A22B": QWEN3_235B_A22B,  # 128 experts, top-8, no shared expert, q/k norms
 }
 
 
@@ -151,8 +140,7 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
         "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                          ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]}
 FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
-MXFP4_GPT_OSS = {"quant_method": "mxfp4", "modules_to_not_convert": [
-    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+MXFP4_GPT_OSS = GPT_OSS_120B["quantization_config"]
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 QUANTIZED = {  # name: (a model of CONFIGS, its quantization_config)
     "Llama-3.1-8B W4A16 compressed-tensors": ("Llama-3.1-8B", W4A16_CT),
@@ -167,7 +155,8 @@ QUANTIZED = {  # name: (a model of CONFIGS, its quantization_config)
     "Qwen3-235B-A22B FP8 block-128": ("Qwen3-235B-A22B", FP8_BLOCK),
     "gpt-oss-20b MXFP4": ("gpt-oss-20b bf16", MXFP4_GPT_OSS),  # as openai/gpt-oss-20b ships
     "gpt-oss-120b MXFP4": ("gpt-oss-120b bf16", MXFP4_GPT_OSS),
-    "Qwen3-30B-A3B W4A16 compressed-tensors": ("Qwen3-30B-A3B", {**W4A16_CT, "ignore": ["lm_head", "re:.*mlp.gate$"]}),
+    "Qwen3-30B-A3B W4A16 compressed-tensors": ("Qwen3-30B-A3B", W4A16_GROUP128),
+    "Qwen3-235B-A22B W4A16 compressed-tensors": ("Qwen3-235B-A22B", W4A16_GROUP128),  # the bench's headline shape
 }
 
 
