@@ -281,7 +281,8 @@ class PlainVllm:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "vllm_hybrid.vllm_entry", "serve", str(model), "--served-model-name", "m",
                 "--load-format", "dummy", "--dtype", "bfloat16", "--port", str(self.port),
-                "--gpu-memory-utilization", "0.85", *[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()], *extra]
+                "--gpu-memory-utilization", str(gpu_share(0.85)),
+                *[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()], *extra]
         self.log = open(OUT / f"plain-{self.port}.log", "wb")
         self.proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -321,7 +322,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
                  plan_extra: dict | None = None, stages: list[dict] | None = None, gpu_env: dict | None = None, **env):
     tuning = cpu_tuning()
     tuning["env"].update(env)
-    gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": 0.85}
+    gpu = {"name": "gpu", "device": "gpu", "layers": 16, "gpu_memory_utilization": gpu_share(0.85)}
     cpu = {"name": "cpu", "device": "cpu", "layers": 16, "cpus": len(parse_cpulist(tuning["env"]["HYBRID_CPUS"])),
            "memory": "24Gi"}
     if stages:  # given (p-*): one cpu and one gpu stage
@@ -382,13 +383,25 @@ def box_memory() -> tuple[int, int]:
     return int(out.split()[0]), int(os.environ.get("HYBRID_BENCH_HOST_MIB") or meminfo()["MemTotal"] >> 20)
 
 
+# HYBRID_BENCH_GPU_GIB: the GPU memory every configuration may use (a 24 GiB card's budget on an 80 GB one: in W4A16 a
+# Mixtral would otherwise fit the whole GPU and prove nothing); vLLM's share of the GPU is scaled down to it
+GPU_BUDGET_MIB = int(float(os.environ.get("HYBRID_BENCH_GPU_GIB") or 0) * 1024)
+
+
+def gpu_share(utilization: float) -> float:
+    """The gpu_memory_utilization that keeps vLLM within HYBRID_BENCH_GPU_GIB of this GPU (unset: as given)."""
+    gpu_mib = box_memory()[0]
+    return round(utilization * min(1.0, (GPU_BUDGET_MIB or gpu_mib) / gpu_mib), 4)
+
+
 def planned_stages(strategy: str) -> list[dict]:
     """A CPU and a GPU stage without layer counts: the planner splits by this box's two memories. The CPU
     stage gets the host RAM less 16 GiB for the GPU stage's processes and the OS."""
     gpu_mib, host_mib = box_memory()
     cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
     stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
-              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": f"{gpu_mib}Mi"}]
+              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": gpu_share(0.92),
+               "memory": f"{min(gpu_mib, GPU_BUDGET_MIB or gpu_mib)}Mi"}]
     # offload, coprocessor and experts compute every layer on the GPU stage, which serves the API: stage 0
     return stages[::-1] if strategy in ("offload", "coprocessor", "experts") else stages
 
@@ -407,7 +420,7 @@ def planned_splits() -> dict:
     """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
     memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
     gpu_mib, host_mib = box_memory()
-    out = {"gpu_mib": gpu_mib, "host_mib": host_mib}
+    out = {"gpu_mib": gpu_mib, "host_mib": host_mib, "gpu_budget_mib": GPU_BUDGET_MIB or gpu_mib}
     for strategy in ("pipeline", "offload", "balanced", "coprocessor", "auto"):
         for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
             split, lay, estimates = planned_split(strategy, expected_concurrency=c, expected_prompt_tokens=PROMPT_TOKENS,

@@ -9,6 +9,7 @@
 #   p-auto p-prefetch-plain (split by the planner from this box's memories); at about a second a step use
 #   HYBRID_BENCH_CONCURRENCY=1,4,16 HYBRID_BENCH_PROMPT_TOKENS=32 HYBRID_BENCH_OUTPUT_TOKENS=16
 #   HYBRID_BENCH_TTFT=1024 HYBRID_BENCH_BATCHED_TOKENS=512 (bench/results/README.md): about 5 minutes each.
+#   HYBRID_BENCH_GPU_GIB=24: every configuration within 24 GiB of the GPU (a 4090-class budget on a larger card).
 # Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1

@@ -1,5 +1,6 @@
-"""bench/: every strategy in a comparison runs with the CPU kernel this box measured (issue 48, item 0): a
-cpu_kernels.json measured on another machine is measured again by bench/run.sh and refused by bench/gpu_bench.py."""
+"""bench/'s set-up of a lease (issue 48): every strategy in a comparison runs with the CPU kernel this box measured
+(a cpu_kernels.json measured on another machine is measured again by bench/run.sh and refused by bench/gpu_bench.py),
+and within the GPU budget a run asks for (HYBRID_BENCH_GPU_GIB)."""
 import json
 import sys
 from pathlib import Path
@@ -39,3 +40,14 @@ def test_run_sh_measures_every_lease_and_the_file_says_which_machine(tmp_path, c
     kernels_file(tmp_path / "k.json", cpu_kernels.machine())
     cpu_kernels.main(str(tmp_path / "k.json"), None)
     assert "measured on this machine already" in capsys.readouterr().out
+
+
+def test_a_gpu_budget_scales_every_configurations_share_of_the_gpu(monkeypatch):
+    """HYBRID_BENCH_GPU_GIB=24 on an 80 GB card: the planned GPU stage gets 24 GiB and vLLM's share scaled to it."""
+    monkeypatch.setattr(gpu_bench, "box_memory", lambda: (81559, 131072))
+    monkeypatch.setattr(gpu_bench, "cpu_tuning", lambda: {"env": {"HYBRID_CPUS": "1-15"}})
+    assert gpu_bench.gpu_share(0.92) == 0.92
+    monkeypatch.setattr(gpu_bench, "GPU_BUDGET_MIB", 24 * 1024)
+    assert gpu_bench.gpu_share(0.92) == round(0.92 * 24576 / 81559, 4)
+    gpu = next(s for s in gpu_bench.planned_stages("experts") if s["device"] == "gpu")
+    assert gpu["memory"] == "24576Mi" and gpu["gpu_memory_utilization"] == gpu_bench.gpu_share(0.92)
