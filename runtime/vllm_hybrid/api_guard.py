@@ -1,7 +1,10 @@
 """ASGI middleware on stage 0's API (added with vLLM's --middleware): every POST, whatever its path, is refused
 with the OpenAI-style error a client expects when its body is too large, is JSON but not an object (vLLM 0.26
-answers an array or scalar with 500), or asks for more prompts or a larger `n` than the limits below (each is a
-sequence to schedule: unbounded, one small request can queue a million). Everything else passes through untouched."""
+answers an array or scalar with 500), asks for more prompts or a larger `n` than the limits below (each is a
+sequence to schedule: unbounded, one small request can queue a million), or gives a token id past the model's
+vocabulary (vLLM 0.26's check, InputProcessor._validate_model_input, lets the id equal to the tokenizer's vocab_size
+through: with prompt_logprobs, or where the embedding is not padded past it, that id kills the engine).
+Everything else passes through untouched."""
 from __future__ import annotations
 
 import json
@@ -12,7 +15,21 @@ import os
 # `prompt`, embeddings'/pooling's `input`, batch chat's `messages`, score's and rerank's `queries`/`documents`/
 # `text_1`/`text_2`/`data_1`/`data_2`, generative scoring's `items`
 PROMPT_FIELDS = ("prompt", "input", "messages", "queries", "documents", "items", "text_1", "text_2", "data_1", "data_2")
+# the fields that may carry token ids: completions' `prompt` (a list of ids, or of such lists), generate's `token_ids`
+TOKEN_FIELDS = ("prompt", "token_ids")
 RAISE = "; set {} in the first stage's env (spec.stages[0].env of the HybridInference) to raise it"
+
+
+def _past(value, vocab: int) -> int | None:
+    """The first token id (an int in a list of ints, or in a list of such lists) >= vocab; None if there is none."""
+    if not isinstance(value, list):
+        return None
+    for item in value:
+        ids = item if isinstance(item, list) else [item]
+        bad = next((t for t in ids if isinstance(t, int) and not isinstance(t, bool) and (t >= vocab or t < 0)), None)
+        if bad is not None:
+            return bad
+    return None
 
 
 def _error(status: int, message: str, param: str | None = None) -> tuple[dict, bytes]:
@@ -31,6 +48,7 @@ class RequestGuard:
         # setting, so one knob raises both: vLLM's default (16384) is far above that, and beam search's width skips it
         self.max_prompts = int(os.environ.get("HYBRID_MAX_PROMPTS_PER_REQUEST", 2048))
         self.max_n = int(os.environ.get("VLLM_MAX_N_SEQUENCES", 128))
+        self.vocab = int(os.environ.get("HYBRID_VOCAB_SIZE") or 0)  # the launcher's, from the model's config (0: unchecked)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -75,6 +93,9 @@ class RequestGuard:
             if prompts > self.max_prompts:
                 return (f"{prompts} prompts in `{field}`: at most {self.max_prompts} in one request"
                         + RAISE.format("HYBRID_MAX_PROMPTS_PER_REQUEST"), field)
+        for field in TOKEN_FIELDS:
+            if self.vocab and (bad := _past(body.get(field), self.vocab)) is not None:
+                return (f"token id {bad} in `{field}` is outside the model's vocabulary (0-{self.vocab - 1})", field)
         params = body.get("sampling_params")  # /inference/v1/generate carries vLLM's SamplingParams
         for n in (body.get("n"), params.get("n") if isinstance(params, dict) else None):
             if isinstance(n, (int, float)) and n > self.max_n:  # pydantic takes 129.0 as 129

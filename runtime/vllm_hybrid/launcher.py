@@ -73,6 +73,7 @@ class StageRecord:
     compile_grace: float
     progress_file: str
     extras: StageExtras            # the strategy's part (strategies/<name>.py)
+    vocab: int = 0                 # the model's vocabulary: the API guard refuses token ids past it
 
     @property
     def role(self) -> str:
@@ -91,7 +92,7 @@ def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str]
         kv_cache_gib=cpu_kv_cache_gib(plan, split, ident.stage, env) if stage.is_cpu else None,
         gpu_memory_utilization=None if stage.is_cpu else split.stages[ident.stage].gpu_memory_utilization,
         stall_timeout=timeout, compile_grace=grace, progress_file=progress_file(env, ident.replica, ident.stage),
-        extras=extras)
+        extras=extras, vocab=split.shape.vocab)
 
 
 def helper_command(rec: StageRecord, python: str = sys.executable) -> list[str] | None:
@@ -158,6 +159,8 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
         env["HYBRID_EXTRA_ARGS"] = json.dumps(list(plan.extra_args))
     # local runs put several stages on one host: they pass each stage its own metrics port
     env.setdefault("HYBRID_METRICS_PORT", str(plan.metrics_port))
+    if rec.rank == 0 and rec.vocab:  # api_guard: vLLM lets a token id equal to the vocabulary's size through
+        env["HYBRID_VOCAB_SIZE"] = str(rec.vocab)
     if ident.host_ip:
         env["VLLM_HOST_IP"] = ident.host_ip
     if Path(plan.model).is_dir():

@@ -10,9 +10,16 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference_ids(tiny_llama):
+def reference_outputs(tiny_llama):
+    """Single-process vLLM on the tiny Llama: each prompt's greedy tokens, its prompt ids, and its continuation
+    scored teacher-forced (pipelines.score's measure)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    return [r["ids"] for r in reference(tiny_llama, PROMPTS, MAX_TOKENS, env=env)]
+    return reference(tiny_llama, PROMPTS, MAX_TOKENS, env=env, score_generated=True)
+
+
+@pytest.fixture(scope="session")
+def reference_ids(reference_outputs):
+    return [r["ids"] for r in reference_outputs]
 
 
 @pytest.fixture(scope="session")

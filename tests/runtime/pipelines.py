@@ -6,7 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_hybrid.local import local_ports
+from vllm_hybrid.local import local_ports, post_json
 
 PROMPTS = ["Hello pipeline", "The first stage holds one layer and the second", "gpu cpu node pod",
            "One two three four five six seven eight nine ten"]
@@ -36,3 +36,28 @@ def reference(model, prompts, max_tokens, dtype="float32", env=None, python=sys.
                     str(work / "out.json")], env={**os.environ, "HYBRID_REMEMBER_VEC_ISA": "1", **(env or {})},
                    check=True, timeout=900)
     return json.loads((work / "out.json").read_text())
+
+
+def score(url: str, prompt_ids: list[int], continuation: list[int], model: str = "tiny") -> list[dict]:
+    """Teacher-forced through a served model's completions API (vLLM's prompt_logprobs: one prefill, no sampling):
+    at each token of `continuation`, its logprob after everything before it, and the model's own two best candidates
+    there."""
+    r = post_json(url + "/v1/completions", {"model": model, "prompt": prompt_ids + continuation, "max_tokens": 1,
+                                             "temperature": 0, "prompt_logprobs": 2})
+    positions = r["choices"][0]["prompt_logprobs"][len(prompt_ids):]
+    return [scored(entry, token) for token, entry in zip(continuation, positions)]
+
+
+def scored(entry: dict, token: int) -> dict:
+    """One position of prompt_logprobs ({token id: {"logprob", "rank"}}, the API's and reference_generate's)."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1]["rank"])
+    return {"logprob": entry[str(token)]["logprob"], "top": int(ranked[0][0]), "top_logprob": ranked[0][1]["logprob"],
+            "second_logprob": ranked[1][1]["logprob"] if len(ranked) > 1 else None}
+
+
+def drift(ref: list[dict], got: list[dict]) -> dict:
+    """Two teacher-forced scorings of the same tokens: the largest difference of a token's logprob, and each position
+    where their best candidates differ, with the reference's margin there (its top-2 gap)."""
+    return {"max_logprob_diff": round(max(abs(a["logprob"] - b["logprob"]) for a, b in zip(ref, got)), 5),
+            "flips": [{"at": i, "ref_margin": round(a["top_logprob"] - a["second_logprob"], 5)}
+                      for i, (a, b) in enumerate(zip(ref, got)) if a["top"] != b["top"]]}

@@ -156,3 +156,25 @@ def test_n_is_bounded(body, at_limit):
 @pytest.mark.parametrize("n", ["9", None, True, [9], {"n": "9"}])
 def test_an_n_that_is_no_number_is_left_to_vllm(n):
     assert call({"n": n, "sampling_params": n})[0] == 200
+
+
+@pytest.mark.parametrize("field,value,bad", [("prompt", [1, 439], 439), ("prompt", [[1, 2], [3, 500]], 500),
+                                             ("token_ids", [439], 439), ("prompt", [-1, 2], -1)])
+def test_a_token_id_past_the_vocabulary_gets_400(monkeypatch, field, value, bad):
+    """vLLM 0.26 lets the id equal to the tokenizer's vocab_size through its own check; with prompt_logprobs it kills
+    the engine (test_pipeline_cpu.py shows the pipeline answering 400 and serving on)."""
+    monkeypatch.setenv("HYBRID_VOCAB_SIZE", "439")
+    status, answer, seen = call({"model": "m", field: value})
+    assert (status, seen) == (400, None)
+    assert answer["error"] == {"message": f"token id {bad} in `{field}` is outside the model's vocabulary (0-438)",
+                               "type": "BadRequestError", "param": field, "code": 400}
+
+
+@pytest.mark.parametrize("value", [[0, 438], [[1, 2], [438]], ["text", "more text"], "text", [True, 2]])
+def test_token_ids_in_the_vocabulary_and_text_pass(monkeypatch, value):
+    monkeypatch.setenv("HYBRID_VOCAB_SIZE", "439")
+    assert call({"model": "m", "prompt": value})[0] == 200
+
+
+def test_without_the_launchers_vocabulary_token_ids_are_left_to_vllm():
+    assert call({"model": "m", "prompt": [439]})[0] == 200

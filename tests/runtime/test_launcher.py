@@ -70,6 +70,8 @@ def test_cpu_stage_is_headless_with_cpu_env():
     assert env["VLLM_CPU_SGL_KERNEL"] == "1" and env["HYBRID_BATCHES_IN_FLIGHT"] == "1"
     assert build(1, env={})[1]["HYBRID_PIPELINE_RANK"] == "1"
     assert vllm_env(*_built(1), {"VLLM_CPU_SGL_KERNEL": "0"})["VLLM_CPU_SGL_KERNEL"] == "0"  # a stage may opt out
+    # the API stage's guard gets the model's vocabulary (it refuses token ids past it); a headless one has no API
+    assert "HYBRID_VOCAB_SIZE" not in env and build(0)[1]["HYBRID_VOCAB_SIZE"] == str(LLAMA_8B["vocab_size"])
 
 
 def test_a_stages_own_kv_cache_size_wins_and_a_bad_one_is_refused():

@@ -2,10 +2,11 @@
 the greedy tokens of single-process vLLM on the same weights; streaming chat and /metrics work."""
 import json
 import os
+import urllib.error
 
 import httpx
 import pytest
-from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, plan_for
+from pipelines import CPU_ENVS, MAX_TOKENS, PROMPTS, drift, plan_for, score
 from vllm_hybrid.local import LocalPipeline, post_json
 from vllm_hybrid.stage_metrics import scrape, scrape_text, total
 
@@ -37,6 +38,42 @@ def test_greedy_tokens_match_single_process(pipeline, reference_ids):
         got.append(r["choices"][0]["token_ids"])
     assert all(len(ids) == MAX_TOKENS for ids in got)
     assert got == reference_ids
+
+
+def test_teacher_forced_scores_agree_with_generation_and_the_reference(pipeline, reference_outputs):
+    """pipelines.score, the GPU tests' measure of how far two devices' kernels are apart, on the real pipeline: a
+    greedy continuation scored teacher-forced has each token as the top candidate, with the logprob generation
+    reported; and single-process vLLM's scoring of the same tokens (reference_generate) is the same, in float32."""
+    r = post_json(pipeline.url + "/v1/completions", {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 8,
+                                                     "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                                                     "logprobs": 1})["choices"][0]
+    scores = score(pipeline.url, r["prompt_token_ids"], r["token_ids"])
+    assert [x["top"] for x in scores] == r["token_ids"] and all(x["logprob"] == x["top_logprob"] for x in scores)
+    assert all(x["second_logprob"] < x["top_logprob"] for x in scores)
+    assert max(abs(x["logprob"] - lp) for x, lp in zip(scores, r["logprobs"]["token_logprobs"])) < 1e-3
+    for ref in reference_outputs:
+        got = score(pipeline.url, ref["prompt_ids"], ref["ids"])
+        report = drift(ref["scores"], got)
+        assert report["flips"] == [] and report["max_logprob_diff"] < 1e-3, report
+    # other tokens are scored as such: the measure tells two continuations apart
+    other = score(pipeline.url, ref["prompt_ids"], [(t + 1) % 400 for t in ref["ids"]])
+    assert drift(ref["scores"], other)["max_logprob_diff"] > 1
+
+
+def test_a_token_id_past_the_vocabulary_is_refused_and_the_pipeline_serves_on(pipeline, tiny_llama):
+    """vLLM 0.26 lets the id equal to the vocabulary's size through its own check (the tokenizer's vocab_size is a
+    count), and with prompt_logprobs that id killed the engine of this pipeline (index out of bounds in the prompt
+    logprobs' gather: EngineDeadError, the stages exit). The API guard answers 400 from the model's vocab_size."""
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    for ids in ([1, vocab], [[1, 2], [vocab + 7]]):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post_json(pipeline.url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                         "prompt_logprobs": 1})
+        assert err.value.code == 400
+        assert f"is outside the model's vocabulary (0-{vocab - 1})" in json.loads(err.value.read())["error"]["message"]
+    r = post_json(pipeline.url + "/v1/completions", {"model": "tiny", "prompt": [1, vocab - 1], "max_tokens": 2,
+                                                     "prompt_logprobs": 1})
+    assert len(r["choices"][0]["prompt_logprobs"]) == 2
 
 
 def test_layer_split_is_what_the_plan_says(pipeline):
