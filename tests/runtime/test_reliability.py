@@ -21,7 +21,7 @@ from vllm_hybrid.local import LocalPipeline, local_ports
 from vllm_hybrid.supervise import process_tree, shm_in_use
 
 pytestmark = pytest.mark.slow
-ROUNDS = int(os.environ.get("HYBRID_FAILURE_ROUNDS", "5"))
+ROUNDS = int(os.environ.get("HYBRID_FAILURE_ROUNDS", "3"))  # 3 keep CI inside its hour; HYBRID_FAILURE_ROUNDS for more
 REPORT = {}
 STALL_TIMEOUT = 12  # the plan's: seconds with requests pending and no step before a stage restarts
 PRE_EXISTING = set(os.listdir("/dev/shm"))
