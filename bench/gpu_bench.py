@@ -388,20 +388,25 @@ def box_memory() -> tuple[int, int]:
 GPU_BUDGET_MIB = int(float(os.environ.get("HYBRID_BENCH_GPU_GIB") or 0) * 1024)
 
 
-def gpu_share(utilization: float) -> float:
-    """The gpu_memory_utilization that keeps vLLM within HYBRID_BENCH_GPU_GIB of this GPU (unset: as given)."""
+def gpu_budget_mib() -> int:
+    """The GPU memory a configuration may use: HYBRID_BENCH_GPU_GIB, at most this GPU's (unset: all of it)."""
     gpu_mib = box_memory()[0]
-    return round(utilization * min(1.0, (GPU_BUDGET_MIB or gpu_mib) / gpu_mib), 4)
+    return min(gpu_mib, GPU_BUDGET_MIB or gpu_mib)
+
+
+def gpu_share(utilization: float) -> float:
+    """The gpu_memory_utilization that keeps vLLM within gpu_budget_mib() of this GPU (unset: as given)."""
+    return round(utilization * gpu_budget_mib() / box_memory()[0], 4)
 
 
 def planned_stages(strategy: str) -> list[dict]:
     """A CPU and a GPU stage without layer counts: the planner splits by this box's two memories. The CPU
     stage gets the host RAM less 16 GiB for the GPU stage's processes and the OS."""
-    gpu_mib, host_mib = box_memory()
+    host_mib = box_memory()[1]
     cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
     stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
               {"name": "gpu", "device": "gpu", "gpu_memory_utilization": gpu_share(0.92),
-               "memory": f"{min(gpu_mib, GPU_BUDGET_MIB or gpu_mib)}Mi"}]
+               "memory": f"{gpu_budget_mib()}Mi"}]
     # offload, coprocessor and experts compute every layer on the GPU stage, which serves the API: stage 0
     return stages[::-1] if strategy in ("offload", "coprocessor", "experts") else stages
 
@@ -420,7 +425,7 @@ def planned_splits() -> dict:
     """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
     memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
     gpu_mib, host_mib = box_memory()
-    out = {"gpu_mib": gpu_mib, "host_mib": host_mib, "gpu_budget_mib": GPU_BUDGET_MIB or gpu_mib}
+    out = {"gpu_mib": gpu_mib, "host_mib": host_mib, "gpu_budget_mib": gpu_budget_mib()}
     for strategy in ("pipeline", "offload", "balanced", "coprocessor", "auto"):
         for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
             split, lay, estimates = planned_split(strategy, expected_concurrency=c, expected_prompt_tokens=PROMPT_TOKENS,

@@ -145,8 +145,12 @@ class ModelShape:
         if not self.experts:
             return 0
         return (self._bytes(2 * self.intermediate, self.hidden, "experts")
-                + self._bytes(self.hidden, self.intermediate, "experts")
-                + ((2 * self.intermediate + self.hidden) * self.dtype_bytes if self.expert_bias else 0))
+                + self._bytes(self.hidden, self.intermediate, "experts") + self.expert_bias_elems * self.dtype_bytes)
+
+    @property
+    def expert_bias_elems(self) -> int:
+        """One routed expert's biases (gate_up's and down's), in the model's dtype; 0 where it has none."""
+        return 2 * self.intermediate + self.hidden if self.expert_bias else 0
 
     @property
     def layer_expert_bytes(self) -> int:

@@ -257,10 +257,10 @@ def test_coprocessor_bfloat16_packed_sgl(tiny):
     assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
 
 
-def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=(), scored=None):
+def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=(), scored=()):
     """strategy experts, 1 GPU stage (every layer) + the CPU pod holding the cpu stage's 3 layers' worth of experts:
-    greedy tokens, seconds to ready, the expert server's counters (and with `scored`, [(prompt ids, continuation)],
-    each continuation scored teacher-forced: pipelines.score)."""
+    greedy tokens, seconds to ready, the expert server's counters, and each continuation of `scored` ([(prompt ids,
+    continuation)]) scored teacher-forced (pipelines.score)."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
             "block_size": 128, "max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "experts",
             "extra_args": [*extra_args, *([] if graphs else ["--enforce-eager"])],
@@ -271,10 +271,10 @@ def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=()
                                                          "temperature": 0, "ignore_eos": True,
                                                          "return_token_ids": True})["choices"][0]["token_ids"]
                for p in prompts]
-        scores = [score(pipe.url, ids, continuation) for ids, continuation in scored or []]
+        scores = [score(pipe.url, ids, continuation) for ids, continuation in scored]
         metrics = scrape(pipe.metrics_url(1))
     served = {k.split("{")[0]: v for k, v in metrics.items() if k.startswith("hybrid_experts_")}
-    return (got, ready, served, scores) if scored is not None else (got, ready, served)
+    return got, ready, served, scores
 
 
 # vLLM's CPU build on this box, single process: how far its kernels are from the CUDA ones on the same weights
@@ -309,7 +309,7 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
     prompts = [*PROMPTS, long_prompt(moe)]
     ref = [r["ids"] for r in reference(moe, prompts, MAX_TOKENS, env=gpu_env, gpu_memory_utilization=0.3)]
     name = f"f32-experts{'-qwen2-moe' if shared else ''}-{'graphs' if graphs else 'eager'}"
-    got, ready, served = run_experts(moe, prompts, "float32", name, graphs, gpu_env)
+    got, ready, served, _ = run_experts(moe, prompts, "float32", name, graphs, gpu_env)
     gpu_log = (OUT / name / "stage-0.log").read_text(errors="replace")
     RESULTS[f"float32_experts_{name}"] = {"identical": got == ref, "ready_s": round(ready, 1), "served": served,
                                           "gpu": [ln for ln in gpu_log.splitlines() if "experts:" in ln][-3:]}
@@ -494,7 +494,7 @@ def test_experts_gpt_oss_mxfp4_identity(gpt_oss, graphs):
     ref = reference(gpt_oss, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
                     logprobs=2)
     name = f"bf16-experts-gpt-oss-{'graphs' if graphs else 'eager'}"
-    got, ready, served = run_experts(gpt_oss, prompts, "bfloat16", name, graphs)
+    got, ready, served, _ = run_experts(gpt_oss, prompts, "bfloat16", name, graphs)
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     RESULTS[f"gpt_oss_mxfp4_experts_{name}"] = {

@@ -108,7 +108,7 @@ def pod_expert_bytes(shape: ModelShape) -> int:
     if not quantized_experts(shape):
         return shape.expert_bytes
     if fmt.method == "mxfp4":
-        return shape.expert_bytes + (2 * shape.intermediate + shape.hidden) * (4 - shape.dtype_bytes)
+        return shape.expert_bytes + shape.expert_bias_elems * (4 - shape.dtype_bytes)
     if fmt.bits == 4:
         return int(3 * shape.hidden * shape.intermediate * (17 / 32 + 5 / fmt.group))
     if fmt.name == "W8A8 INT8":

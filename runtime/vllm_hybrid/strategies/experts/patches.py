@@ -100,10 +100,8 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             layer = None
         remote = placement.get(layer)
         if remote:
-            # biases: gpt-oss's MXFP4 experts only (their roles carry them to the CPU pod)
-            mxfp4 = quant_config is not None and quant_config.get_name() == "gpt_oss_mxfp4"
-            if (moe_config.has_bias and not mxfp4) or moe_config.moe_parallel_config.use_ep:
-                refuse(f"{layer_name}: a biased or expert-parallel MoE layer")
+            if moe_config.moe_parallel_config.use_ep:
+                refuse(f"{layer_name}: an expert-parallel MoE layer")
             count, emap = side.expert_map(moe_config.num_experts, remote)
             expert_map_manager._local_num_experts, expert_map_manager._expert_map = count, emap
             moe_config.num_local_experts = count
@@ -112,6 +110,8 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             return
         if not isinstance(self.quant_method, method_cls):
             return hold_quantized(self, layer, remote)
+        if moe_config.has_bias:  # the CPU pod's bf16 kernels take no biases
+            refuse(f"{layer_name}: a biased unquantized MoE layer")
         backend = self.quant_method.unquantized_backend.name
         if backend not in ("CPU", "TRITON") or self.apply_router_weight_on_input:
             refuse(f"{layer_name}: vLLM's {backend} MoE kernels (they take no expert map; the Triton ones do), or "
@@ -131,6 +131,8 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         shadow module, E = the remote experts, as RoutedExperts.__init__ calls it for the local ones), the roles the
         CPU pod reads placed in its region, so upstream's loader writes each remote expert there as it would here."""
         fmt, roles = quantized_roles(self)
+        if self.moe_config.has_bias and "w13_bias" not in roles:  # biases reach the CPU pod only as roles (MXFP4)
+            refuse(f"{self.layer_name}: a biased MoE layer in {fmt}")
         if self.apply_router_weight_on_input:
             refuse(f"{self.layer_name}: router weights on the input")
         params = dict(num_experts=len(remote), hidden_size=self.hidden_size,
