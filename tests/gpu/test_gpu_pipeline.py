@@ -430,6 +430,9 @@ def test_bfloat16_divergence_is_a_near_tie(tiny):
 QUANTIZED_KERNELS = {
     "fp8-block": (None, "for CompressedTensorsW8A8Fp8"),
     "w4a16": ("Using CPUWNA16LinearKernel for CompressedTensorsWNA16", "for CompressedTensorsWNA16"),
+    # FP8 per-channel and INT8 W8A8: their "Selected ..." lines, like FP8 block's, come from global rank 0 only
+    "fp8-dynamic": (None, "for CompressedTensorsW8A8Fp8"),
+    "int8": (None, "for CompressedTensorsW8A8Int8"),
 }
 
 
@@ -482,11 +485,12 @@ def test_quantized_pipeline_identity(quantized_llama, scheme):
     assert_no_farther_than_the_cpu_build(forced, report)
 
 
-@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16"])
+@pytest.mark.parametrize("scheme", list(QUANTIZED_KERNELS))
 def test_offload_quantized_identity(quantized_llama, scheme):
-    """strategy offload of a quantized checkpoint (compressed-tensors FP8 block-128, W4A16): the GPU stage runs every
-    layer with the CUDA build's kernel for the format, the 3 streamed ones' packed weights and scales copied from host
-    memory by vLLM's prefetch offloader; greedy tokens equal single-process vLLM on the same GPU (the same kernels)."""
+    """strategy offload of a quantized checkpoint (compressed-tensors FP8 block-128 or per-channel, W4A16, W8A8 INT8):
+    the GPU stage runs every layer with the CUDA build's kernel for the format, the 3 streamed ones' packed weights
+    and scales copied from host memory by vLLM's prefetch offloader; greedy tokens equal single-process vLLM on the
+    same GPU (the same kernels)."""
     model, refs = quantized_llama(scheme)
     ref = [r["ids"] for r in refs]
     name = f"bf16-offload-{scheme}"

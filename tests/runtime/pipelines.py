@@ -56,8 +56,9 @@ def scored(entry: dict, token: int) -> dict:
 
 
 def drift(ref: list[dict], got: list[dict]) -> dict:
-    """Two teacher-forced scorings of the same tokens: the largest difference of a token's logprob, and each position
-    where their best candidates differ, with the reference's margin there (its top-2 gap)."""
-    return {"max_logprob_diff": round(max(abs(a["logprob"] - b["logprob"]) for a, b in zip(ref, got)), 5),
+    """Two teacher-forced scorings of the same tokens: the largest and the mean difference of a token's logprob, and
+    each position where their best candidates differ, with the reference's margin there (its top-2 gap)."""
+    diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(ref, got)]
+    return {"max_logprob_diff": round(max(diffs), 5), "mean_logprob_diff": round(sum(diffs) / len(diffs), 5),
             "flips": [{"at": i, "ref_margin": round(a["top_logprob"] - a["second_logprob"], 5)}
                       for i, (a, b) in enumerate(zip(ref, got)) if a["top"] != b["top"]]}

@@ -57,7 +57,8 @@ def test_teacher_forced_scores_agree_with_generation_and_the_reference(pipeline,
         assert report["flips"] == [] and report["max_logprob_diff"] < 1e-3, report
     # other tokens are scored as such: the measure tells two continuations apart
     other = score(pipeline.url, ref["prompt_ids"], [(t + 1) % 400 for t in ref["ids"]])
-    assert drift(ref["scores"], other)["max_logprob_diff"] > 1
+    apart = drift(ref["scores"], other)
+    assert apart["max_logprob_diff"] > 1 and 0 < apart["mean_logprob_diff"] <= apart["max_logprob_diff"], apart
 
 
 def test_a_token_id_past_the_vocabulary_is_refused_and_the_pipeline_serves_on(pipeline, tiny_llama):
