@@ -21,7 +21,7 @@ RAISE = "; set {} in the first stage's env (spec.stages[0].env of the HybridInfe
 
 
 def _past(value, vocab: int) -> int | None:
-    """The first token id (an int in a list of ints, or in a list of such lists) >= vocab; None if there is none."""
+    """The first token id (an int in a list of ints, or in a list of such lists) outside 0..vocab-1; None if none."""
     if not isinstance(value, list):
         return None
     for item in value:

