@@ -424,12 +424,18 @@ def planned_split(strategy: str, **expected):
 def planned_splits() -> dict:
     """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
     memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
+    from vllm_hybrid.plan import PlanError
     gpu_mib, host_mib = box_memory()
     out = {"gpu_mib": gpu_mib, "host_mib": host_mib, "gpu_budget_mib": gpu_budget_mib()}
     for strategy in ("pipeline", "offload", "balanced", "coprocessor", "auto"):
         for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
-            split, lay, estimates = planned_split(strategy, expected_concurrency=c, expected_prompt_tokens=PROMPT_TOKENS,
-                                                  expected_output_tokens=OUTPUT_TOKENS)
+            try:
+                split, lay, estimates = planned_split(strategy, expected_concurrency=c,
+                                                      expected_prompt_tokens=PROMPT_TOKENS,
+                                                      expected_output_tokens=OUTPUT_TOKENS)
+            except PlanError as e:  # a strategy that refuses this checkpoint's format: the preview says so and goes on
+                out[strategy] = {"refused": str(e)}
+                continue
             out[strategy if strategy != "auto" else f"auto@{c}"] = {
                 "runs": lay.strategy, "layers": {s.stage.name: s.layers for s in split.stages},
                 "helper_gib": round(sum(s.beside_vllm_bytes for s in split.stages) / (1 << 30), 2),

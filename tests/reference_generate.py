@@ -8,6 +8,7 @@ SPEC: {"model", "dtype", "prompts", "max_tokens", "logprobs", "gpu_memory_utiliz
 OUT: one {"ids", "top", "prompt_ids" (, "scores")} per prompt, then one {"scores"} per pair of "score"
 """
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ if __name__ == "__main__":
 
     spec = json.load(open(sys.argv[1]))
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512, block_size=128, max_num_seqs=8,
-              max_num_batched_tokens=512, enforce_eager=True, seed=0,
+              max_num_batched_tokens=512, enforce_eager=spec.get("enforce_eager", True), seed=0,
               gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9),
               moe_backend=spec.get("moe_backend", "auto"))
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True,
@@ -43,4 +44,8 @@ if __name__ == "__main__":
         if spec.get("score_generated"):
             out[-1]["scores"] = score(out[-1]["prompt_ids"], out[-1]["ids"])
     out += [{"scores": score(prompt_ids, continuation)} for prompt_ids, continuation in spec.get("score", [])]
-    json.dump(out, open(sys.argv[2], "w"))
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+    # the answer is written: skip the interpreter's teardown, where vLLM's CPU build once aborted after a complete
+    # run ("terminate called without an active exception", gpt-oss on an H200 lease) and failed a finished reference
+    os._exit(0)

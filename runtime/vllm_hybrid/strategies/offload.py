@@ -26,8 +26,7 @@ class Offload(Strategy):
             # an H200 lease: the prefetch offloader failed at start (`The size of tensor a (128) must match the
             # size of tensor b (64)`), its host copy still shaped as the checkpoint's tensor
             return ("weights vLLM 0.26's offloader can stream: gpt-oss's MXFP4 experts are laid out anew on the GPU "
-                    "by their CUDA kernel after loading, and the offloader's host copy keeps the checkpoint's shape; "
-                    "use strategy pipeline or experts")
+                    "by their CUDA kernel after loading, and the offloader's host copy keeps the checkpoint's shape")
         return None
 
     def layout(self, plan, split) -> Layout:

