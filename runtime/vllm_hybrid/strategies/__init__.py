@@ -35,6 +35,8 @@ def get(name: str) -> Strategy:
 def serving(shape, but: str) -> str:
     """A model refusal's advice: the other strategies whose kernels take this checkpoint (registry order)."""
     names = [name for name, s in STRATEGIES.items() if name != but and s.refused_model(shape) is None]
+    if not names:
+        return "no strategy serves it"
     return "use strategy " + (" or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0])
 
 
