@@ -156,7 +156,7 @@ def main(path: str) -> None:
                 del layers
             del flat, raw
         else:
-            layers = [experts_kernels.quantized_layer(list(range(REMOTE)), fmt, **quantized_tensors(fmt, seed))
+            layers = [experts_kernels.quantized_layer(list(range(REMOTE)), quantized.prepare(fmt, **quantized_tensors(fmt, seed)))
                       for seed in range(LAYERS)]
             got["fused_experts_cpu"] = measure("fused_experts_cpu", layers, layers[0].quant.expert_bytes)
             del layers

@@ -65,7 +65,7 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     w13, w2 = experts()
     remote = [1, 4, 6]
     q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
-    layer = kernels.quantized_layer(remote, fmt, **tensors)
+    layer = kernels.quantized_layer(remote, quantized.prepare(fmt, **tensors))
     assert layer.kernel_name == f"fused_experts_cpu ({fmt})"
     deq13, deq2 = torch.zeros_like(w13), torch.zeros_like(w2)
     deq13[remote], deq2[remote] = q13["dequantized"], q2["dequantized"]
@@ -106,11 +106,27 @@ def test_main_stage_and_remote_experts_add_up_to_vllms_kernel_on_all_of_them(fmt
     remote, main = [0, 3, 5, 7], [1, 2, 4, 6]
     x = torch.randn(16, H).bfloat16()
     ids, weights = routing(16, seed=3)
-    whole = kernels.quantized_layer(list(range(E)), fmt, **stacks_of(fmt, w13, w2, list(range(E)))[2])
-    theirs = kernels.quantized_layer(remote, fmt, **stacks_of(fmt, w13, w2, remote)[2])
-    ours = kernels.quantized_layer(main, fmt, **stacks_of(fmt, w13, w2, main)[2])
+    whole = kernels.quantized_layer(list(range(E)), quantized.prepare(fmt, **stacks_of(fmt, w13, w2, list(range(E)))[2]))
+    theirs = kernels.quantized_layer(remote, quantized.prepare(fmt, **stacks_of(fmt, w13, w2, remote)[2]))
+    ours = kernels.quantized_layer(main, quantized.prepare(fmt, **stacks_of(fmt, w13, w2, main)[2]))
     both = theirs.compute(x, ids, weights).float() + ours.compute(x, ids, weights).float()
     assert rel(both, whole.compute(x, ids, weights).float()) < 0.01
+
+
+@pytest.mark.parametrize("fmt", list(quantized.FORMATS))
+def test_a_stack_prepared_in_chunks_is_the_stack_prepared_whole(fmt):
+    """The server prepares a layer's experts a few at a time, on a thread each (server.prepare_quantized): the chunks
+    merged are the very bytes vLLM's preparation gives the whole stack (uneven chunks: 3 + 3 + 2 experts)."""
+    w13, w2 = experts(seed=4)
+    tensors = stacks_of(fmt, w13, w2, list(range(E)))[2]
+    whole = quantized.prepare(fmt, **tensors)
+    parts = quantized.chunks(tensors, 3)
+    assert [c["w13"].shape[0] for c in parts] == [3, 3, 2]
+    merged = quantized.merged([quantized.prepare(fmt, **c) for c in parts])
+    pairs = [(whole.w13, merged.w13), (whole.w2, merged.w2),
+             *(pair for name in ("scales", "zeros", "biases") for pair in zip(getattr(whole, name), getattr(merged, name)))]
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in pairs)
+    assert (merged.block, merged.expert_bytes) == (whole.block, whole.expert_bytes)
 
 
 def test_quantized_experts_refuse_what_the_kernel_cannot_read():

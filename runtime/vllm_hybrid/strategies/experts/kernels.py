@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ...cpupod.packed import sgl_runs_here, vllm_cpu_ops
 from ...cpupod.server import window_gbs
 from .io import KERNEL_ENV
-from .quantized import QuantStacks, fused_experts, prepare
+from .quantized import QuantStacks, fused_experts
 
 
 @dataclass
@@ -179,9 +179,9 @@ def local_index(ids: list[int]) -> torch.Tensor:
     return local
 
 
-def quantized_layer(ids: list[int], fmt: str, **tensors) -> LayerExperts:
-    """A layer's remote experts in a quantized format (quantized.prepare's tensors), computed by fused_experts_cpu."""
-    return LayerExperts(ids, [], quant=prepare(fmt, **tensors), local=local_index(ids))
+def quantized_layer(ids: list[int], stacks: QuantStacks) -> LayerExperts:
+    """A layer's remote experts in a quantized format (prepared: quantized.prepare), computed by fused_experts_cpu."""
+    return LayerExperts(ids, [], quant=stacks, local=local_index(ids))
 
 
 def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:

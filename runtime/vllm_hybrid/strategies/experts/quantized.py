@@ -99,6 +99,26 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
                        block=[BLOCK, BLOCK] if fmt == "fp8-block" else None, expert_bytes=stored)
 
 
+CHUNK = 4  # experts a preparation call takes at most: vLLM's W4A16 repack unpacks its whole stack to int32 first
+
+
+def chunks(tensors: dict[str, torch.Tensor | None], size: int = CHUNK) -> list[dict[str, torch.Tensor | None]]:
+    """prepare's tensors for E experts as slices of at most `size` experts (views: every tensor is E-leading)."""
+    count = next(t for t in tensors.values() if t is not None).shape[0]
+    return [{role: None if t is None else t[i:i + size] for role, t in tensors.items()} for i in range(0, count, size)]
+
+
+def merged(parts: list[QuantStacks]) -> QuantStacks:
+    """The prepared chunks of one stack as one: every prepared tensor is E-leading too."""
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)
+    first = parts[0]
+    return QuantStacks(first.fmt, cat([p.w13 for p in parts]), cat([p.w2 for p in parts]),
+                       *[tuple(cat([getattr(p, f)[i] for p in parts]) for i in (0, 1)) for f in ("scales", "zeros", "biases")],
+                       block=first.block, expert_bytes=first.expert_bytes)
+
+
 def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:
     def fail(what):
         raise ValueError(f"strategy experts: {f.name} experts: {what} (w13 {tuple(w13.shape)} {w13.dtype}, "

@@ -6,6 +6,7 @@ import logging
 import math
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,6 +21,7 @@ from ...cpupod.server import (
     wait_request,
     weights_and_manifest,
 )
+from . import quantized
 from .io import DONE, LAYER, REQ, IoLayout, IoViews
 from .kernels import (
     BATCH_ROWS,
@@ -98,39 +100,42 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 
 
 def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, LayerExperts]:
-    """Every quantized layer prepared for its kernel, with the pace in the log: vLLM's CPU repack of W4A16 runs at
-    about 45 MB/s a core (convert_weight_packed_scale_zp on 2 cores), so a 235B shape's 82.7 GB takes minutes even on
-    a large pod, and its start shows how far it is."""
-    t0, done, total = time.perf_counter(), 0, sum(stored_bytes(m) for m in entries)
-    layers, step = {}, max(1, len(entries) // 10)
-    for i, m in enumerate(entries, 1):
-        layers[m["layer"]] = quantized_from_region(flat, m)
-        done += stored_bytes(m)
-        if i % step == 0 or i == len(entries):
-            took = time.perf_counter() - t0
-            log.info("prepared %d/%d quantized layers for the kernel: %.2f of %.2f GB in %.1f s (%.2f GB/s)", i,
-                     len(entries), done / 1e9, total / 1e9, took, done / 1e9 / max(took, 1e-9))
+    """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
+    prepared for the kernel in this server's memory, each layer's region pages given back once it is (the copy is all
+    that is read from now on). vLLM's CPU repack is strided copies that a thread team hardly speeds up (W4A16: about
+    45 MB/s a core, 1.6x on 2 threads; a 235B shape's 82.7 GB region was not through in 6 minutes on 31), so chunks of
+    a few experts go to one thread each, and the log shows the pace."""
+    threads, t0, done = torch.get_num_threads(), time.perf_counter(), 0
+    stacks = [region_tensors(flat, m) for m in entries]
+    total, layers, step = sum(stored_bytes(s) for s in stacks), {}, max(1, len(entries) // 10)
+    with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        parts = [[pool.submit(quantized.prepare, m["format"], **c) for c in quantized.chunks(s)]
+                 for m, s in zip(entries, stacks)]
+        for i, (m, s, futures) in enumerate(zip(entries, stacks, parts), 1):
+            layers[m["layer"]] = quantized_layer(m["ids"], quantized.merged([f.result() for f in futures]))
+            freed = sum(hostmem.release(t) for t in s.values())
+            log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
+                      m["format"], freed / 1e6)
+            done += stored_bytes(s)
+            if i % step == 0 or i == len(entries):
+                took = time.perf_counter() - t0
+                log.info("prepared %d/%d quantized layers for the kernel on %d threads: %.2f of %.2f GB in %.1f s "
+                         "(%.2f GB/s)", i, len(entries), threads, done / 1e9, total / 1e9, took, done / 1e9 / took)
+    torch.set_num_threads(threads)  # the pool's threads set theirs to 1: the process-wide count back for serving
     return layers
 
 
-def stored_bytes(entry: dict) -> int:
-    """A quantized layer's bytes in the region (all its roles' tensors)."""
-    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for dtype, _, *shape in entry["tensors"].values())
-
-
-def quantized_from_region(flat: torch.Tensor, entry: dict) -> LayerExperts:
-    """A layer of quantized remote experts: the stacks the main stage's loader wrote (by role: w13, w13_scale, ...),
-    prepared for the kernel in this server's memory, then the region's pages under them given back (the copy is all
-    that is read from now on: the main stage sends every step of such a layer here)."""
+def region_tensors(flat: torch.Tensor, entry: dict) -> dict[str, torch.Tensor]:
+    """A quantized layer's stacks as views of the region, by role (the manifest: dtype, offset, shape)."""
     tensors = {}
     for role, (dtype, offset, *shape) in entry["tensors"].items():
         dt = getattr(torch, dtype)
         tensors[role] = flat[offset:offset + math.prod(shape) * dt.itemsize].view(dt).view(*shape)
-    layer = quantized_layer(entry["ids"], entry["format"], **tensors)
-    freed = sum(hostmem.release(t) for t in tensors.values())
-    log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", entry["layer"], len(entry["ids"]),
-              entry["format"], freed / 1e6)
-    return layer
+    return tensors
+
+
+def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def serve_metrics(port: int, served: Served) -> None:
