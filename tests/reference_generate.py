@@ -44,8 +44,7 @@ if __name__ == "__main__":
         if spec.get("score_generated"):
             out[-1]["scores"] = score(out[-1]["prompt_ids"], out[-1]["ids"])
     out += [{"scores": score(prompt_ids, continuation)} for prompt_ids, continuation in spec.get("score", [])]
-    with open(sys.argv[2], "w") as f:
+    # written whole or not at all (a rename): the caller can tell a finished answer from a run that died before it
+    with open(sys.argv[2] + ".part", "w") as f:
         json.dump(out, f)
-    # the answer is written: skip the interpreter's teardown, where vLLM's CPU build once aborted after a complete
-    # run ("terminate called without an active exception", gpt-oss on an H200 lease) and failed a finished reference
-    os._exit(0)
+    os.replace(sys.argv[2] + ".part", sys.argv[2])
