@@ -107,7 +107,7 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, Laye
     a few experts go to one thread each, and the log shows the pace."""
     threads, t0, done = torch.get_num_threads(), time.perf_counter(), 0
     stacks = [region_tensors(flat, m) for m in entries]
-    total, layers, step = sum(stored_bytes(s) for s in stacks), {}, max(1, len(entries) // 10)
+    total, layers, step = sum(quantized.tensor_bytes(*s.values()) for s in stacks), {}, max(1, len(entries) // 10)
     with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         parts = [[pool.submit(quantized.prepare, m["format"], **c) for c in quantized.chunks(s)]
                  for m, s in zip(entries, stacks)]
@@ -116,7 +116,7 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, Laye
             freed = sum(hostmem.release(t) for t in s.values())
             log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
                       m["format"], freed / 1e6)
-            done += stored_bytes(s)
+            done += quantized.tensor_bytes(*s.values())
             if i % step == 0 or i == len(entries):
                 took = time.perf_counter() - t0
                 log.info("prepared %d/%d quantized layers for the kernel on %d threads: %.2f of %.2f GB in %.1f s "
@@ -132,10 +132,6 @@ def region_tensors(flat: torch.Tensor, entry: dict) -> dict[str, torch.Tensor]:
         dt = getattr(torch, dtype)
         tensors[role] = flat[offset:offset + math.prod(shape) * dt.itemsize].view(dt).view(*shape)
     return tensors
-
-
-def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def serve_metrics(port: int, served: Served) -> None:
