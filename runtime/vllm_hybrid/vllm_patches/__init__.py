@@ -12,6 +12,7 @@ import os
 
 from .cpu import (
     patch_cpu_engine_fork,
+    patch_cpu_int4_moe_repack,
     patch_cpu_kv_memory_check,
     patch_cpu_masked_input,
     patch_cpu_worker_fork,
@@ -64,9 +65,11 @@ def apply_all() -> list[str]:
         import vllm.envs
         from vllm.compilation import decorators
         from vllm.model_executor.layers import vocab_parallel_embedding
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from vllm.v1.engine import utils as engine_utils
         done += [remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT), patch_no_cpu_aot_load(decorators),
-                 patch_cpu_masked_input(vocab_parallel_embedding), patch_cpu_engine_fork(engine_utils)]
+                 patch_cpu_masked_input(vocab_parallel_embedding), patch_cpu_engine_fork(engine_utils),
+                 patch_cpu_int4_moe_repack(cpu_moe)]
         if os.environ.get("HYBRID_FORK_WORKER") == "1":
             done.append(patch_cpu_worker_fork(multiproc_executor))
         if os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":

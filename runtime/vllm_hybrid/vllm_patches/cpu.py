@@ -1,5 +1,6 @@
 """CPU stages' start and memory: the KV check against system memory, compile without loading AOT artifacts,
-forked engine core and worker, an eager masked-input op, and vector-ISA probes remembered in the compile cache."""
+forked engine core and worker, an eager masked-input op, vector-ISA probes remembered in the compile cache, and
+W4A16 experts repacked in whole-stack passes."""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,24 @@ def patch_no_cpu_aot_load(decorators) -> str | None:
     # load and 92 s cold.
     decorators._try_load_aot_compiled_fn = lambda model, aot_compilation_path: None
     return "decorators._try_load_aot_compiled_fn(CPU: compile, do not load)"
+
+
+def patch_cpu_int4_moe_repack(cpu_moe) -> str | None:
+    """vllm.model_executor.layers.fused_moe.experts.cpu_moe.prepare_int4_moe_layer_for_cpu, which the CPU W4A16 MoE
+    method imports when it post-processes a layer: GPTQ-layout experts (compressed-tensors' too) get the same bytes
+    from cpupod.int4_layout. vLLM's op unpacks each stack to int32 expert by expert (about 45 MB/s a core): a CPU stage
+    holding a 235B W4A16 model's experts would take many minutes to start; other layouts (AWQ) keep the op."""
+    from ..cpupod import int4_layout
+    upstream = cpu_moe.prepare_int4_moe_layer_for_cpu
+
+    @functools.wraps(upstream)
+    def prepare(w13, w2, w13_scale, w2_scale, quant_algo=cpu_moe.CPUQuantAlgo.GPTQ, w13_zeros=None, w2_zeros=None):
+        if quant_algo == cpu_moe.CPUQuantAlgo.GPTQ and int4_layout.supported(w13, w2, w13_scale, w2_scale):
+            return int4_layout.prepare(w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros)
+        return upstream(w13, w2, w13_scale, w2_scale, quant_algo, w13_zeros, w2_zeros)
+    prepare.upstream = upstream
+    cpu_moe.prepare_int4_moe_layer_for_cpu = prepare
+    return "cpu_moe.prepare_int4_moe_layer_for_cpu(GPTQ layout: whole-stack passes)"
 
 
 def _forking(get_mp_context):

@@ -120,7 +120,7 @@ def test_w4a16_repack_gives_the_bytes_of_vllms_own_preparation(group, symmetric)
     (the op convert_weight_packed_scale_zp), byte for byte: random words, so every nibble value and sign bit occurs;
     every group size the kernel's block takes, with and without GPTQ's packed zero points."""
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-    from vllm_hybrid.strategies.experts import int4_layout
+    from vllm_hybrid.cpupod import int4_layout
     g = torch.Generator().manual_seed(group)
     words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
     e, h, inter = 3, 512, 256

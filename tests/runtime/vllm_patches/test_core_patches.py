@@ -191,3 +191,26 @@ def test_plain_vllm_gets_only_the_opt_in_isa_memory_from_the_plugin(tmp_path):
                                      env=base | env).stdout.strip()
     assert run({}) == "[] False"
     assert run({"HYBRID_REMEMBER_VEC_ISA": "1"}) == f"['VecISA.check_build(remembered in {tmp_path}/hybrid-vec-isa)'] True"
+
+
+def test_cpu_stages_repack_gptq_experts_with_int4_layout_and_awq_with_vllms_op(monkeypatch):
+    """The patched prepare_int4_moe_layer_for_cpu (what vLLM's CPU W4A16 MoE method calls) gives the op's bytes for
+    GPTQ-layout experts from int4_layout, and hands AWQ's layout to the op."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm_hybrid.cpupod import int4_layout
+    monkeypatch.setattr(cpu_moe, "prepare_int4_moe_layer_for_cpu", cpu_moe.prepare_int4_moe_layer_for_cpu)
+    assert cpu.patch_cpu_int4_moe_repack(cpu_moe)
+    patched, upstream = cpu_moe.prepare_int4_moe_layer_for_cpu, cpu_moe.prepare_int4_moe_layer_for_cpu.upstream
+    g = torch.Generator().manual_seed(0)
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    gptq = (words(2, 32, 512), words(2, 32, 256), torch.randn(2, 2, 512).bfloat16(), torch.randn(2, 2, 256).bfloat16())
+    calls, layout_prepare = [], int4_layout.prepare
+    monkeypatch.setattr(int4_layout, "prepare", lambda *a: calls.append("int4_layout") or layout_prepare(*a))
+    ours = patched(*gptq)
+    assert calls == ["int4_layout"]
+    assert all(torch.equal(a, b) for a, b in zip(ours, upstream(*gptq)))
+    awq = (words(2, 256, 64), words(2, 256, 32), torch.randn(2, 2, 512).half(), torch.randn(2, 2, 256).half())
+    awq_zeros = {"w13_zeros": words(2, 2, 64), "w2_zeros": words(2, 2, 32)}
+    theirs = patched(*awq, quant_algo=cpu_moe.CPUQuantAlgo.AWQ, **awq_zeros)
+    assert calls == ["int4_layout"]  # not called again
+    assert all(torch.equal(a, b) for a, b in zip(theirs, upstream(*awq, cpu_moe.CPUQuantAlgo.AWQ, **awq_zeros)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import int4_layout
+from ...cpupod import int4_layout
 
 BLOCK = 128  # FP8 block quantization's block: the one vLLM's CPU MoE kernel takes (block-128 checkpoints)
 MX_GROUP = 32  # OCP MX block: one scale per 32 values
