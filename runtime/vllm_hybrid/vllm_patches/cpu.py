@@ -1,6 +1,6 @@
 """CPU stages' start and memory: the KV check against system memory, compile without loading AOT artifacts,
 forked engine core and worker, an eager masked-input op, vector-ISA probes remembered in the compile cache, and
-W4A16 experts repacked in whole-stack passes."""
+W4A16 experts repacked by cpupod.int4_layout."""
 from __future__ import annotations
 
 import contextlib
@@ -45,12 +45,10 @@ def patch_cpu_int4_moe_repack(cpu_moe) -> str | None:
 
     @functools.wraps(upstream)
     def prepare(w13, w2, w13_scale, w2_scale, quant_algo=cpu_moe.CPUQuantAlgo.GPTQ, w13_zeros=None, w2_zeros=None):
-        if quant_algo == cpu_moe.CPUQuantAlgo.GPTQ and int4_layout.supported(w13, w2, w13_scale, w2_scale):
-            return int4_layout.prepare(w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros)
-        return upstream(w13, w2, w13_scale, w2_scale, quant_algo, w13_zeros, w2_zeros)
+        return int4_layout.prepare_or(upstream, w13, w2, w13_scale, w2_scale, quant_algo, w13_zeros, w2_zeros)
     prepare.upstream = upstream
     cpu_moe.prepare_int4_moe_layer_for_cpu = prepare
-    return "cpu_moe.prepare_int4_moe_layer_for_cpu(GPTQ layout: whole-stack passes)"
+    return "cpu_moe.prepare_int4_moe_layer_for_cpu(GPTQ layout: int4_layout)"
 
 
 def _forking(get_mp_context):

@@ -116,7 +116,7 @@ def test_main_stage_and_remote_experts_add_up_to_vllms_kernel_on_all_of_them(fmt
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
 def test_w4a16_repack_gives_the_bytes_of_vllms_own_preparation(group, symmetric):
-    """int4_layout.prepare (whole-stack passes over the packed words) against vLLM's prepare_int4_moe_layer_for_cpu
+    """int4_layout.prepare (tensor passes over the packed words) against vLLM's prepare_int4_moe_layer_for_cpu
     (the op convert_weight_packed_scale_zp), byte for byte: random words, so every nibble value and sign bit occurs;
     every group size the kernel's block takes, with and without GPTQ's packed zero points."""
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe

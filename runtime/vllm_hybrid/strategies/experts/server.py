@@ -105,13 +105,14 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, Laye
     mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
     t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
-    total, step = sum(quantized.tensor_bytes(*s.values()) for s in stacks), max(1, len(entries) // 10)
-    for i, (m, s) in enumerate(zip(entries, stacks), 1):
+    sizes = [quantized.tensor_bytes(*s.values()) for s in stacks]
+    total, step = sum(sizes), max(1, len(entries) // 10)
+    for i, (m, s, size) in enumerate(zip(entries, stacks, sizes), 1):
         layers[m["layer"]] = quantized_layer(m["ids"], quantized.prepare(m["format"], **s))
         freed = sum(hostmem.release(t) for t in s.values())
         log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
                   m["format"], freed / 1e6)
-        done += quantized.tensor_bytes(*s.values())
+        done += size
         if i % step == 0 or i == len(entries):
             took = time.perf_counter() - t0
             log.info("prepared %d/%d quantized layers for the kernel on %d threads: %.2f of %.2f GB in %.1f s "
