@@ -405,8 +405,10 @@ def planned_stages(strategy: str) -> list[dict]:
     host_mib = box_memory()[1]
     cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
     stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
+              # a gpu stage's memory is its GPU's (the planner's budget: that x gpu_memory_utilization, as vLLM's); the
+              # budget is in the share (naming the budget here as well left an 80 GiB budget 40 GiB)
               {"name": "gpu", "device": "gpu", "gpu_memory_utilization": gpu_share(0.92),
-               "memory": f"{gpu_budget_mib()}Mi"}]
+               "memory": f"{box_memory()[0]}Mi"}]
     # offload, coprocessor and experts compute every layer on the GPU stage, which serves the API: stage 0
     return stages[::-1] if strategy in ("offload", "coprocessor", "experts") else stages
 

@@ -375,9 +375,18 @@ def _budget_note(stage: Stage, gpu_memory_bytes: int | None = None) -> str:
             + (f" ({gpu / GiB:.2f} GiB)" if gpu else "") + f" minus {GPU_RUNTIME_RESERVE / GiB:.0f} GiB per GPU for the runtime")
 
 
+# vLLM 0.26's models of these build the embedding and the LM head on every pipeline rank, not only the first and last
+# (models/{mixtral,qwen2_moe,qwen3_moe,gpt_oss,gemma2,internlm2}.py: no is_first_rank / is_last_rank test): a Qwen3-235B
+# stage held 1.16 GiB more than planned, and a GPU stage planned to its budget had no room left for its KV cache
+ENDS_ON_EVERY_STAGE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+                       "Gemma2ForCausalLM", "InternLM2ForCausalLM"}
+
+
 def _fixed_bytes(shape: ModelShape, index: int, n: int) -> int:
     """Embedding on the first stage; final norm + LM head on the last (a copy where tied, unless one stage holds
-    both: then the LM head is the embedding)."""
+    both: then the LM head is the embedding). Both on every stage for ENDS_ON_EVERY_STAGE."""
+    if shape.architecture in ENDS_ON_EVERY_STAGE:
+        return shape.hidden * shape.dtype_bytes + shape.embedding_bytes * (1 if shape.tied_embeddings else 2)
     fixed = shape.embedding_bytes if index == 0 else 0
     if index == n - 1:
         fixed += shape.hidden * shape.dtype_bytes + (0 if shape.tied_embeddings and n == 1 else shape.embedding_bytes)

@@ -43,11 +43,17 @@ def test_run_sh_measures_every_lease_and_the_file_says_which_machine(tmp_path, c
 
 
 def test_a_gpu_budget_scales_every_configurations_share_of_the_gpu(monkeypatch):
-    """HYBRID_BENCH_GPU_GIB=24 on an 80 GB card: the planned GPU stage gets 24 GiB and vLLM's share scaled to it."""
+    """HYBRID_BENCH_GPU_GIB=24 on an 80 GB card: vLLM's share of the GPU is scaled to 24 GiB, and the planner's
+    budget for the planned GPU stage is that share of the GPU, as vLLM's (not 24 GiB's share: 4.8 GiB)."""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import GPU_RUNTIME_RESERVE, stage_budget
     monkeypatch.setattr(gpu_bench, "box_memory", lambda: (81559, 131072))
     monkeypatch.setattr(gpu_bench, "cpu_tuning", lambda: {"env": {"HYBRID_CPUS": "1-15"}})
     assert gpu_bench.gpu_share(0.92) == 0.92
     monkeypatch.setattr(gpu_bench, "GPU_BUDGET_MIB", 24 * 1024)
     assert gpu_bench.gpu_share(0.92) == round(0.92 * 24576 / 81559, 4)
     gpu = next(s for s in gpu_bench.planned_stages("experts") if s["device"] == "gpu")
-    assert gpu["memory"] == "24576Mi" and gpu["gpu_memory_utilization"] == gpu_bench.gpu_share(0.92)
+    assert gpu["memory"] == "81559Mi" and gpu["gpu_memory_utilization"] == gpu_bench.gpu_share(0.92)
+    plan = plan_from_dict({"model": "m", "strategy": "experts", "stages": gpu_bench.planned_stages("experts")})
+    budget = stage_budget(next(st for st in plan.stages if not st.is_cpu), None) + GPU_RUNTIME_RESERVE
+    assert abs(budget / (24 << 30) - 0.92) < 0.001

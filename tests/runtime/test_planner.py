@@ -103,6 +103,24 @@ def test_mixtral_counts_every_expert_and_its_router():
     assert 93.0e9 < total < 93.8e9  # Mixtral-8x7B's 46.7B parameters in bf16
 
 
+def test_every_stage_of_a_model_vllm_builds_both_ends_on_every_rank_counts_them():
+    """vLLM 0.26's Qwen3-MoE (Mixtral, Qwen2-MoE, gpt-oss, ...) makes the embedding and the LM head on every pipeline
+    rank: a GPU stage of the 235B holding layers 62-93 loaded 40.58 GiB where 39.41 were planned for its layers and LM
+    head alone (H200, 2026-11-28). Llama's ranks make only their own ends."""
+    qwen3 = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 4096, "moe_intermediate_size": 1536,
+             "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 94, "num_attention_heads": 64,
+             "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "torch_dtype": "bfloat16",
+             "tie_word_embeddings": False, "intermediate_size": 12288}
+    stages = [{"name": "a", "device": "cpu", "cpus": 8, "memory": "4000Gi", "layers": 30},
+              {"name": "b", "device": "cpu", "cpus": 8, "memory": "4000Gi", "layers": 34},
+              {"name": "c", "device": "cpu", "cpus": 8, "memory": "4000Gi", "layers": 30}]
+    for config, ends in ((qwen3, [2, 2, 2]), ({**LLAMA_8B, "num_hidden_layers": 94}, [1, 0, 1])):
+        shape = model_shape(config)
+        split = split_layers(plan(stages), shape)
+        fixed = [sp.weight_bytes - sp.layers * shape.layer_bytes for sp in split.stages]
+        assert [f // shape.embedding_bytes for f in fixed] == ends
+
+
 def test_qwen2_moe_counts_its_fine_grained_experts_and_the_shared_one():
     from vllm_hybrid.tinymodel import QWEN2_57B_A14B
     s = model_shape(QWEN2_57B_A14B)

@@ -150,6 +150,27 @@ def test_quantized_experts_refuse_what_the_kernel_cannot_read():
         quantized.prepare("fp8-block", **tensors, w13_bias=torch.zeros(2, 2 * INTER), w2_bias=torch.zeros(2, H))
 
 
+def test_a_layers_experts_replaced_after_loading_are_freed():
+    """The main stage finds a remote expert's shadow parameter by its name while loading, and keeps none of the
+    layer's own: the quant method's post-processing (vLLM's replace_parameter, as Marlin's repack and the CPU
+    preparation call it) frees the checkpoint-layout experts it replaces."""
+    import gc
+    import weakref
+
+    from vllm.model_executor.layers.quantization.utils.layer_utils import replace_parameter
+    from vllm_hybrid.strategies.experts.patches import keep_shadows, shadow_of
+
+    layer, shadow = torch.nn.Module(), torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.int32), requires_grad=False)
+    layer.w13_weight_packed = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.int32), requires_grad=False)
+    keep_shadows(layer, {"w13_weight_packed": shadow})
+    assert shadow_of(layer, layer.w13_weight_packed) is shadow
+    assert shadow_of(layer, torch.nn.Parameter(torch.zeros(1), requires_grad=False)) is None
+    old = weakref.ref(layer.w13_weight_packed)
+    replace_parameter(layer, "w13_weight_packed", torch.zeros(3, 8, dtype=torch.int32))  # another layout: a new one
+    gc.collect()
+    assert old() is None
+
+
 # --- end to end: a quantized tiny MoE with half of each layer's experts in the expert server ---
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -50,6 +50,20 @@ def quantized_roles(layer) -> tuple[str, dict[str, str]]:
                               f"pod (it computes {SERVED_FORMATS})")
 
 
+def keep_shadows(layer, shadow_params: dict) -> None:
+    """A quantized layer's shadow parameters (its remote experts', in the CPU pod's region) by name. Not beside the
+    layer's own parameters: its quant method's post-processing replaces those (Marlin's repack, vLLM's CPU
+    preparation), and a reference kept here kept the old ones alive (a 235B W4A16 main stage held its 32 GiB of
+    local experts twice)."""
+    layer._hybrid_shadow = shadow_params
+
+
+def shadow_of(layer, param):
+    """The shadow parameter of the same name as the layer's `param` (None: it has no remote part)."""
+    return next((p for name, p in getattr(layer, "_hybrid_shadow", {}).items() if getattr(layer, name, None) is param),
+                None)
+
+
 def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str | None:
     # strategy experts (client.py), in the main stage: some routed experts of each MoE layer live in the CPU pod.
     # - vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.__init__: before its weights are created,
@@ -164,7 +178,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             shadow_params[name].data = stacks[role]  # the loader writes the region (the attributes it reads stay)
         client.local[layer] = functools.partial(local_experts, self)
         self._hybrid_layer, self._hybrid_format = layer, fmt
-        self._hybrid_shadow = {name: (getattr(self, name, None), p) for name, p in shadow_params.items()}
+        keep_shadows(self, shadow_params)
         self._hybrid_remote_index = {e: i for i, e in enumerate(remote)}
 
     def local_experts(layer, x, topk_weights, topk_ids):
@@ -183,7 +197,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
     def quantized_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success):
         """A remote expert's tensor of a quantized layer: upstream's loader, on the shadow parameter of the same
         name, with the expert's index among the remote ones as its local id."""
-        shadow = next((p for real, p in self._hybrid_shadow.values() if real is param), None)
+        shadow = shadow_of(self, param)
         if shadow is None:
             return False if return_success else None
         self._map_global_expert_id_to_local_expert_id = self._hybrid_remote_index.__getitem__  # this call only
@@ -227,7 +241,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         local = local[self.expert_map[local].argsort()]  # in local index order
         ok = original_loader(self, param, loaded_weight[local.to(loaded_weight.device)], weight_name, shard_id, None,
                              return_success)
-        shadow = next((p for real, p in self._hybrid_shadow.values() if real is param), None)
+        shadow = shadow_of(self, param)
         if shadow is not None:
             remote = torch.tensor(list(self._hybrid_remote_index), device=loaded_weight.device)  # remote index order
             original_loader(self, shadow, loaded_weight[remote], weight_name, shard_id, None, return_success)
