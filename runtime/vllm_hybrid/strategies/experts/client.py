@@ -18,12 +18,14 @@ import torch
 from ...cpupod import hostmem
 from ...cpupod.packed import unpack
 from ...cpupod.server import RegionClient, closed
+from . import quantized
 from .io import (
     BYTES_ENV,
     COUNTS_ENV,
     COUNTS_EVERY_ENV,
     DEFAULT_MAX_ROWS,
     DONE,
+    KEEP_ENV,
     LAYER,
     LINE,
     MAX_ROWS_ENV,
@@ -127,10 +129,13 @@ class Held:
     stacks: tuple[torch.Tensor, torch.Tensor]  # the layer's remote experts in the region: E x 2I x H and E x H x I
     packed: str | None = None                  # the server packed them for its kernel (packed_kernel's name)
     # quantized experts (quantized.FORMATS' name): the region holds their tensors by role (w13, w13_scale, ...) as
-    # vLLM's loader writes them; the server prepares its own copy and frees these pages, so every step of the
-    # layer, large ones too, is computed by the CPU pod
+    # vLLM's loader writes them (also `stacks`, in that order); the server prepares its own copy. Kept (`nearby`):
+    # large steps copy them to the GPU and dequantize them there; else the server frees these pages and computes
+    # every step of the layer, large ones in parts
     fmt: str | None = None
     tensors: dict[str, torch.Tensor] | None = None
+    nearby: bool = False
+    dtype: torch.dtype = torch.bfloat16  # the activations' (dequantized experts are computed in it)
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,7 +144,7 @@ class Held:
 
     def plain(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(w13, w2) per expert on `device`, unpacked if the server packed them."""
-        if self.packed is None and device.type == "cpu":
+        if self.packed is None and self.fmt is None and device.type == "cpu":
             return self.weights
         return self.unpacked(self.copy_to(device))
 
@@ -148,7 +153,9 @@ class Held:
         return [s.to(device, non_blocking=True) for s in self.stacks]
 
     def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them."""
+        """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them (dequantized if quantized)."""
+        if self.fmt is not None:
+            return quantized.Dequantized(self.fmt, dict(zip(self.tensors, stacks)), self.dtype)
         return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
 
 
@@ -210,6 +217,7 @@ class Client(RegionClient):
     def __init__(self, remote: dict[int, list[int]], max_rows: int = DEFAULT_MAX_ROWS, device: str = "cpu"):
         super().__init__()
         self.remote, self.max_rows, self.device = remote, max_rows, device
+        self.keep = False  # the plan leaves the CPU pod room to keep W4A16 layers' stacks for large steps here (KEEP_ENV)
         self.layers: dict[int, Held] = {}
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None
@@ -251,8 +259,13 @@ class Client(RegionClient):
         self.dtype, self.top_k, self.hidden = dtype, top_k, hidden
         self.counts.track(layer, num_experts, self.device)
         tensors = {role: self.take(like) for role, like in roles.items()}
-        self.layers[layer] = Held(self.remote[layer], (), fmt=fmt, tensors=tensors)
+        self.layers[layer] = Held(self.remote[layer], tuple(tensors.values()), fmt=fmt, tensors=tensors,
+                                  nearby=self.keeps(fmt), dtype=dtype)
         return tensors
+
+    def keeps(self, fmt: str) -> bool:
+        """Large steps of `fmt` layers computed here from the region (kept, page-locked) rather than by the pod."""
+        return self.keep and self.device == "cuda" and fmt in quantized.DEQUANTIZED
 
     def expert(self, layer: int, gid: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self.layers[layer]
@@ -267,7 +280,7 @@ class Client(RegionClient):
             if h.fmt is None:
                 return {"layer": layer, "experts": [{"id": e, "w13": loc(w13), "w2": loc(w2)}
                                                     for e, (w13, w2) in zip(h.ids, h.weights)]}
-            return {"layer": layer, "ids": h.ids, "format": h.fmt,
+            return {"layer": layer, "ids": h.ids, "format": h.fmt, "keep": h.nearby,
                     "tensors": {role: [str(t.dtype).removeprefix("torch."), *loc(t)] for role, t in h.tensors.items()}}
         reply, self.io_map, nbytes = self._ask_region({
             "dtype": str(self.dtype).removeprefix("torch."), "max_rows": self.max_rows, "top_k": self.top_k,
@@ -329,7 +342,7 @@ class Client(RegionClient):
             raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
                                "BaseModelLoader.load_model?)")
         if not 0 < rows <= self.max_rows:
-            if self.layers[layer].fmt is not None:
+            if self.layers[layer].fmt is not None and not self.layers[layer].nearby:
                 return self.in_parts(layer, x, topk_weights, topk_ids, local)
             return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
         self.side.submit(layer, x, topk_ids, topk_weights)
@@ -361,6 +374,7 @@ def client_from_env(device: str, env=os.environ) -> Client:
     global CLIENT
     if CLIENT is None:
         client = Client(parse_placement(env.get(REMOTE_ENV, "")), int(env.get(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)), device)
+        client.keep = env.get(KEEP_ENV) == "1"
         client.counts = RoutingCounts(env.get(COUNTS_ENV) or None, float(env.get(COUNTS_EVERY_ENV, 60)))
         client.connect(env[SOCKET_ENV])
         CLIENT = client

@@ -13,7 +13,8 @@ Setup (Unix socket in the replica's shared /dev/shm; JSON messages, descriptors 
   main -> CPU {"weights_bytes"}              CPU -> main {"page", "describe"} + the weights region's fd
   (the main stage's loader fills the region)
   main -> CPU {"dtype", "max_rows", "top_k", "hidden",
-               "layers": [{"layer", "experts": [{"id", "w13": [offset, 2I, H], "w2": [offset, H, I]}]}]}
+               "layers": [{"layer", "experts": [{"id", "w13": [offset, 2I, H], "w2": [offset, H, I]}]}
+                          or {"layer", "ids", "format", "keep", "tensors": {role: [dtype, offset, *shape]}}]}
                                              CPU -> main {"threads"} + the io region's fd
   The connection stays open; when it closes (the main stage went), the server exits.
 """
@@ -33,6 +34,9 @@ SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV, COUNTS_ENV = (
     "HYBRID_EXPERTS_SOCKET", "HYBRID_EXPERTS_BYTES", "HYBRID_EXPERTS_REMOTE", "HYBRID_EXPERTS_MAX_ROWS",
     "HYBRID_EXPERTS_COUNTS")
 COUNTS_EVERY_ENV = "HYBRID_EXPERTS_COUNTS_EVERY"  # seconds of serving between two saves of the routing counts
+# "1": the CPU pod keeps the W4A16 stacks the loader wrote beside its prepared copy, and the main stage's GPU computes
+# large steps (prompts) from them (quantized.Dequantized); the plan sets it where the pod's memory holds both
+KEEP_ENV = "HYBRID_EXPERTS_KEEP"
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
 SERVED_FORMATS = ("FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order, AWQ or "
                   "gpt-oss's MXFP4")

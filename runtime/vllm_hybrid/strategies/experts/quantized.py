@@ -147,6 +147,40 @@ def fused_experts(x: torch.Tensor, stacks: QuantStacks, routed: torch.Tensor, pi
         *stacks.scales, *stacks.zeros, stacks.block, *stacks.biases, *(stacks.fmt.swiglu or (None, None)), True)
 
 
+# The main stage's large steps (prompts) of W4A16 layers: the remote experts' stacks as the loader wrote them, copied
+# to its GPU and dequantized there one expert at a time (a layer's 0.5 GB crosses PCIe in about 10 ms; the CPU pod's
+# kernel took 17 s for a 1k-token prompt of the 235B). In the activations' dtype: W4A16 as vLLM's GPU kernels compute it.
+DEQUANTIZED = ("w4a16",)  # GPTQ's (and compressed-tensors') layout; AutoAWQ's packs along the outputs
+
+
+def dequantize_w4a16(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """E x K/8 x N int32 (GPTQ's packing, value i of a word in bits 4i..4i+3, symmetric: stored + 8), scales E x G x N
+    -> E x N x K weights in `dtype` (the served w4a16 experts are symmetric: the plan refuses zero points but AWQ's)."""
+    e, k8, n = w.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device).view(1, 1, 8, 1)
+    values = ((w.unsqueeze(2) >> shifts) & 15).reshape(e, k8 * 8, n)
+    per_group = k8 * 8 // scale.shape[1]
+    # in `dtype`: a 4-bit value times a bf16 scale is exact in 12 bits, so rounded once either way (float32 is no closer)
+    return ((values.to(dtype) - int4_layout.SYMMETRIC_ZERO) * scale.to(dtype).repeat_interleave(per_group, dim=1)).transpose(1, 2)
+
+
+class Dequantized:
+    """A layer's remote experts (tensors by role, on the main stage's device) as a sequence of (w13, w2) in `dtype`,
+    each dequantized when kernels.compute reads it: only the routed ones, one expert's bf16 at a time."""
+
+    def __init__(self, fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+        if fmt not in DEQUANTIZED:
+            raise ValueError(f"strategy experts: {fmt} experts are computed by the CPU pod only (here: {DEQUANTIZED})")
+        self.tensors, self.dtype = tensors, dtype
+
+    def __len__(self) -> int:
+        return self.tensors["w13"].shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t, one = self.tensors, slice(i, i + 1)
+        return tuple(dequantize_w4a16(t[w][one], t[f"{w}_scale"][one], self.dtype)[0] for w in ("w13", "w2"))
+
+
 # Writing quantized experts (tests, benchmarks): round to nearest from a bf16 weight, in the layout vLLM's loader
 # leaves the checkpoint's tensors in; dequantized() gives the weights the kernel computes with.
 

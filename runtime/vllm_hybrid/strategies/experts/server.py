@@ -101,7 +101,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, LayerExperts]:
     """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
     prepared for the kernel in this server's memory, a layer at a time on the thread team, each layer's region pages
-    given back once it is (the copy is all that is read from now on). The log shows the pace: a large pod's start is
+    given back once it is (the copy is all that is read from now on) unless the main stage keeps them ("keep"). The log shows the pace: a large pod's start is
     mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
     t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
@@ -109,7 +109,8 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, Laye
     total, step = sum(sizes), max(1, len(entries) // 10)
     for i, (m, s, size) in enumerate(zip(entries, stacks, sizes), 1):
         layers[m["layer"]] = quantized_layer(m["ids"], quantized.prepare(m["format"], **s))
-        freed = sum(hostmem.release(t) for t in s.values())
+        # kept: the main stage copies them to its GPU for large steps (io.KEEP_ENV)
+        freed = 0 if m.get("keep") else sum(hostmem.release(t) for t in s.values())
         log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
                   m["format"], freed / 1e6)
         done += size
