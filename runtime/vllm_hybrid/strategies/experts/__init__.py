@@ -108,11 +108,15 @@ def kept_format(shape: ModelShape) -> bool:
     return quantized_experts(shape) and fmt.bits == 4 and fmt.method not in ("awq", "mxfp4")
 
 
-def pod_keeps_stacks(plan: Plan, lay: Layout, held: int) -> bool:
-    """The CPU pod's memory holds the stacks as written beside its prepared copy (io.KEEP_ENV)."""
+def pod_keeps_stacks(plan: Plan, lay: Layout, shape: ModelShape) -> bool:
+    """The main stage computes large steps from the stacks as written (io.KEEP_ENV): a format it dequantizes, and the
+    CPU pod's memory holds them beside its prepared copy."""
+    if not kept_format(shape):
+        return False
     cpu = next(i for i, s in enumerate(plan.stages) if s.is_cpu)
     budget = stage_budget(plan.stages[cpu], None) if plan.stages[cpu].memory_bytes else None
-    return budget is None or held + lay.offload_bytes[0] <= budget
+    remote = lay.offload_bytes[0]
+    return budget is None or remote // expert_bytes(shape) * pod_expert_bytes(shape) + remote <= budget
 
 
 def moe_backend_flags(plan: Plan, shape: ModelShape) -> tuple[str, ...]:
@@ -232,8 +236,7 @@ class Experts(Strategy):
                           else (None, f"evenly ({COUNTS_ENV} is empty: no routing counts)"))
         remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
-        held = lay.offload_bytes[0] // expert_bytes(shape) * pod_expert_bytes(shape)
-        keep = (not plan.stages[ident.stage].is_cpu and kept_format(shape) and pod_keeps_stacks(plan, lay, held))
+        keep = not plan.stages[ident.stage].is_cpu and pod_keeps_stacks(plan, lay, shape)
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS),
@@ -264,8 +267,7 @@ class Experts(Strategy):
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
         calls = shape.num_layers * -(-c // DEFAULT_MAX_ROWS) * hw.coproc_call_s
         # quantized experts: the CPU pod computes the prompts' tokens too, unless it keeps the stacks the GPU copies
-        on_pod = quantized and not (kept_format(shape) and pod_keeps_stacks(
-            plan, lay, remote // shape.expert_bytes * pod_expert_bytes(shape)))
+        on_pod = quantized and not pod_keeps_stacks(plan, lay, shape)
         prefill = (cpu_pass_s(remote, flops_per_token, c * work.prompt_tokens, cores, shape, hw, hw.experts_efficiency)
                    if on_pod else stream.prefill_s)
         return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency) + calls, prefill)
