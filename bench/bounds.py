@@ -31,7 +31,7 @@ def routed_share(shape, c: int) -> float:
 def bounds(shape, c: int, gpu_bytes: float, cpu_layers: int, kv_bytes: float, dram: float, hbm: float,
            pcie: float) -> dict[str, float]:
     """Seconds per decode step of c tokens under each strategy's bound."""
-    layers, expert = shape.num_layers, shape.expert_bytes  # in the checkpoint's format (W4A16: 9.73 MB, not bf16's 37.7)
+    layers, expert = shape.num_layers, shape.expert_bytes  # in the checkpoint's format (W4A16 9.73 MB, bf16 37.7)
     head = shape.embedding_bytes  # the LM head, read every step (the embedding lookup reads a row per token)
     dense = shape.layer_bytes - shape.layer_expert_bytes  # attention, norms, router of one layer
     read = dense + shape.experts * expert * routed_share(shape, c)  # a layer's bytes one step reads

@@ -98,7 +98,8 @@ def measure(name: str, layers: list, expert_bytes: int) -> dict:
     got = {"kernel": getattr(layers[0], "kernel_name", name), "expert_mb": round(expert_bytes / 1e6, 2)}
     for t in TOKENS:
         for k in TOPK:
-            runs = [step_s(layers, t, seed=s, expert_bytes=expert_bytes, k=k) for s in range(STEPS + 1)][1:]  # 1st warms up
+            # the first run warms up
+            runs = [step_s(layers, t, seed=s, expert_bytes=expert_bytes, k=k) for s in range(STEPS + 1)][1:]
             ms = statistics.median(s for s, _ in runs) * 1e3
             gb = statistics.median(b for _, b in runs) / 1e9
             key = str(t) if TOPK == [K] else f"{t} tokens, top-{k}"

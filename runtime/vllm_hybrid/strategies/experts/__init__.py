@@ -108,14 +108,18 @@ def kept_format(shape: ModelShape) -> bool:
     return quantized_experts(shape) and fmt.bits == 4 and fmt.method not in ("awq", "mxfp4")
 
 
+def pod_budget(plan: Plan) -> int | None:
+    """The CPU pod's bytes for experts (None: its memory is not given)."""
+    cpu = next(s for s in plan.stages if s.is_cpu)
+    return stage_budget(cpu, None) if cpu.memory_bytes else None
+
+
 def pod_keeps_stacks(plan: Plan, lay: Layout, shape: ModelShape) -> bool:
     """The main stage computes large steps from the stacks as written (io.KEEP_ENV): a format it dequantizes, and the
     CPU pod's memory holds them beside its prepared copy."""
     if not kept_format(shape):
         return False
-    cpu = next(i for i, s in enumerate(plan.stages) if s.is_cpu)
-    budget = stage_budget(plan.stages[cpu], None) if plan.stages[cpu].memory_bytes else None
-    remote = lay.offload_bytes[0]
+    budget, remote = pod_budget(plan), lay.offload_bytes[0]
     return budget is None or remote // expert_bytes(shape) * pod_expert_bytes(shape) + remote <= budget
 
 
@@ -174,9 +178,10 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     # its kernel) while the next layer's copy comes in: three times a layer's (vLLM's memory profile sees them; with
     # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
     # 80 GB H100)
-    staging = 3 * -(-(total * per_layer - min(fit, total * per_layer)) // total) + 1
+    layer_remote = -(-(total * per_layer - min(fit, total * per_layer)) // total)  # a layer's, rounded up
+    staging = 3 * layer_remote + 1
     if kept_format(shape):  # two layers' stacks as written (a double buffer) and one expert dequantized at a time
-        staging = (staging - 1) * 2 // 3 + -(-5 * 3 * shape.hidden * shape.intermediate * 2 // expert_bytes(shape))
+        staging = 2 * layer_remote + -(-5 * 3 * shape.hidden * shape.intermediate * 2 // expert_bytes(shape))
     elif quantized_experts(shape):  # large steps go to the CPU pod too: nothing is staged here
         staging = 0
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
@@ -221,7 +226,7 @@ class Experts(Strategy):
         cpu = next(i for i, s in enumerate(plan.stages) if s.is_cpu)
         count = sum(map(len, placement(plan, split, gpu)))
         remote, held = count * expert_bytes(split.shape), count * pod_expert_bytes(split.shape)
-        budget = stage_budget(plan.stages[cpu], None) if plan.stages[cpu].memory_bytes else None
+        budget = pod_budget(plan)
         if budget is not None and held > budget:
             raise PlanError(f"stages[{cpu}] ({plan.stages[cpu].name}): strategy experts does not fit: its "
                             f"{held / (1 << 30):.2f} GiB of experts (as its kernel holds them) exceed its budget of "

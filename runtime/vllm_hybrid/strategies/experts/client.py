@@ -153,7 +153,7 @@ class Held:
         return [s.to(device, non_blocking=True) for s in self.stacks]
 
     def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(w13, w2) per expert of copies of the stacks, unpacked if the server packed them (dequantized if quantized)."""
+        """(w13, w2) per expert of the stacks' copies: unpacked if the server packed them, dequantized if quantized."""
         if self.fmt is not None:
             return quantized.Dequantized(self.fmt, dict(zip(self.tensors, stacks)), self.dtype)
         return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
@@ -217,7 +217,7 @@ class Client(RegionClient):
     def __init__(self, remote: dict[int, list[int]], max_rows: int = DEFAULT_MAX_ROWS, device: str = "cpu"):
         super().__init__()
         self.remote, self.max_rows, self.device = remote, max_rows, device
-        self.keep = False  # the plan leaves the CPU pod room to keep W4A16 layers' stacks for large steps here (KEEP_ENV)
+        self.keep = False  # the plan leaves the CPU pod room to keep W4A16 stacks for large steps here (KEEP_ENV)
         self.layers: dict[int, Held] = {}
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None

@@ -2,6 +2,7 @@
 region and computed there (client.py)."""
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -168,7 +169,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         if not hasattr(client, "flat"):  # the first layer with remote experts: the region for them all
             per_expert = sum(shadow_params[name].nbytes for name in roles.values()) // len(remote)
             need = sum(per_expert * len(ids) + 4096 * len(roles) for ids in placement.values())  # every layer alike
-            # page-locked only where large steps copy from it (kept); else the CPU pod gives its pages back once prepared
+            # page-locked only where large steps copy from it (kept); else the pod gives its pages back once prepared
             where = client.open_weights(int(os.environ.get(BYTES_ENV) or need), page_lock=client.keeps(fmt))
             logger.info("experts: remote %s experts' weights go to the CPU pod's region, %s", fmt, where)
         stacks = client.hold_quantized(
@@ -277,15 +278,13 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
         if client is not None and client.side is None:
             threads = client.publish()
             layers = client.layers.values()
-            kept = sum(h.nearby for h in layers)
-            quantized = sum(h.fmt is not None for h in layers) - kept
+            larger = collections.Counter("here from the stacks the pod keeps" if h.nearby else
+                                         "by the pod in parts" if h.fmt is not None else "here from the region"
+                                         for h in layers)
             logger.info("experts: %d remote experts of %d MoE layers (%.2f GB) computed by the CPU pod (%d threads) "
                         "for steps of up to %d tokens; larger steps: %s", sum(len(h.ids) for h in layers),
-                        len(client.layers), client.used / 1e9, threads, client.max_rows, ", ".join(
-                            part for part in (f"{len(client.layers) - kept - quantized} layers here from the region"
-                                              if len(client.layers) - kept - quantized else "",
-                                              f"{kept} layers here from the stacks the pod keeps" if kept else "",
-                                              f"{quantized} layers by the pod in parts" if quantized else "") if part))
+                        len(client.layers), client.used / 1e9, threads, client.max_rows,
+                        ", ".join(f"{n} layers {how}" for how, n in larger.items()))
         return model
 
     @functools.wraps(original_apply)

@@ -149,7 +149,8 @@ def fused_experts(x: torch.Tensor, stacks: QuantStacks, routed: torch.Tensor, pi
 
 # The main stage's large steps (prompts) of W4A16 layers: the remote experts' stacks as the loader wrote them, copied
 # to its GPU and dequantized there one expert at a time (a layer's 0.5 GB crosses PCIe in about 10 ms; the CPU pod's
-# kernel took 17 s for a 1k-token prompt of the 235B). In the activations' dtype: W4A16 as vLLM's GPU kernels compute it.
+# kernel took 17 s for a 1k-token prompt of the 235B). In the activations' dtype: W4A16 as vLLM's GPU kernels compute
+# it.
 DEQUANTIZED = ("w4a16",)  # GPTQ's (and compressed-tensors') layout; AutoAWQ's packs along the outputs
 
 
@@ -160,8 +161,9 @@ def dequantize_w4a16(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device).view(1, 1, 8, 1)
     values = ((w.unsqueeze(2) >> shifts) & 15).reshape(e, k8 * 8, n)
     per_group = k8 * 8 // scale.shape[1]
-    # in `dtype`: a 4-bit value times a bf16 scale is exact in 12 bits, so rounded once either way (float32 is no closer)
-    return ((values.to(dtype) - int4_layout.SYMMETRIC_ZERO) * scale.to(dtype).repeat_interleave(per_group, dim=1)).transpose(1, 2)
+    # in `dtype`: a 4-bit value times a bf16 scale is exact in 12 bits, so rounded once either way (float32: no closer)
+    scales = scale.to(dtype).repeat_interleave(per_group, dim=1)
+    return ((values.to(dtype) - int4_layout.SYMMETRIC_ZERO) * scales).transpose(1, 2)
 
 
 class Dequantized:

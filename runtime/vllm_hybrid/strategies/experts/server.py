@@ -101,8 +101,9 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, LayerExperts]:
     """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
     prepared for the kernel in this server's memory, a layer at a time on the thread team, each layer's region pages
-    given back once it is (the copy is all that is read from now on) unless the main stage keeps them ("keep"). The log shows the pace: a large pod's start is
-    mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
+    given back once it is (the copy is all that is read from now on) unless the main stage keeps them ("keep"). The
+    log shows the pace: a large pod's start is mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6
+    minutes for a 235B shape's 82.7 GB)."""
     t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
     sizes = [quantized.tensor_bytes(*s.values()) for s in stacks]
