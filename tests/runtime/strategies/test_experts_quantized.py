@@ -227,6 +227,36 @@ def test_the_plan_keeps_w4a16_stacks_for_the_gpu_where_the_pods_memory_holds_bot
     assert 4000 < remote < 5500  # about 41% of the 12032 experts, the device run's 4997 less the staging's room
 
 
+def test_the_cost_model_prefills_short_prompts_in_the_pod_and_long_ones_from_the_kept_stacks():
+    """The 235B W4A16 with the pod keeping its stacks: a prefill step of at most max_rows tokens goes to the CPU pod
+    as a decode step of as many tokens would (the main stage asks by the step's tokens), a longer one streams the
+    layers' cpu experts to the GPU. (An H200 lease, 32 prompt tokens at concurrency 1: auto had priced that prompt
+    as a stream of all 46 GiB and picked pipeline, 7.72 tok/s, over experts, 13.19.)"""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import Workload, get, resolve_split
+    from vllm_hybrid.strategies.cost import Hardware
+    from vllm_hybrid.strategies.experts import DEFAULT_MAX_ROWS, pod_keeps_stacks
+    from vllm_hybrid.strategies.streaming import prefetch_cost
+    from vllm_hybrid.tinymodel import QWEN3_235B_A22B, W4A16_GROUP128
+
+    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts", "stages": [
+        {"name": "gpu", "device": "gpu", "memory": "80Gi", "gpu_memory_utilization": 0.92},
+        {"name": "cpu", "device": "cpu", "cpus": 15, "memory": "120Gi"}]})
+    shape = model_shape({**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128})
+    split, lay, _ = resolve_split(plan, shape)
+    assert pod_keeps_stacks(plan, lay, shape)
+    experts, hw = get("experts"), Hardware()
+    cost = lambda c, prompt: experts.cost(plan, split, lay, 0, Workload(c, prompt, 16), hw)  # noqa: E731
+    short, long = cost(1, DEFAULT_MAX_ROWS), cost(1, DEFAULT_MAX_ROWS + 1)
+    assert short.prefill_s == cost(DEFAULT_MAX_ROWS, 32).step_s  # the pod, as a step of its tokens
+    assert long.prefill_s == prefetch_cost(lay.offload_bytes[0], Workload(1, DEFAULT_MAX_ROWS + 1, 16), plan,
+                                           hw).prefill_s
+    # four 32-token prompts prefill as one step of 128 tokens: streamed
+    assert cost(4, 32).prefill_s == prefetch_cost(lay.offload_bytes[0], Workload(4, 32, 16), plan, hw).prefill_s
+    assert short.prefill_s < long.prefill_s
+
+
 def test_a_layers_experts_replaced_after_loading_are_freed():
     """The main stage finds a remote expert's shadow parameter by its name while loading, and keeps none of the
     layer's own: the quant method's post-processing (vLLM's replace_parameter, as Marlin's repack and the CPU

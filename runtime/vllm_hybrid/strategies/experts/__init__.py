@@ -259,7 +259,7 @@ class Experts(Strategy):
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
         """bench/bounds.py's terms: a decode step reads the cpu experts its tokens route to from DRAM (the gpu's
         own layers are the step's fixed cost), plus a hand-over per layer (coproc's measured one: the same memops);
-        prompt chunks and larger steps cross PCIe with them."""
+        larger steps cross PCIe with them, prefill steps as their tokens say (pod_s's caller below)."""
         remote, shape, c = lay.offload_bytes[k], split.shape, work.concurrency
         if not remote:
             return NO_COST
@@ -267,15 +267,20 @@ class Experts(Strategy):
         quantized = quantized_experts(shape)
         if c > DEFAULT_MAX_ROWS and not quantized:
             return stream
-        read = remote * (1 - (1 - shape.routed / shape.experts) ** c)
         flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
-        calls = shape.num_layers * -(-c // DEFAULT_MAX_ROWS) * hw.coproc_call_s
-        # quantized experts: the CPU pod computes the prompts' tokens too, unless it keeps the stacks the GPU copies
-        on_pod = quantized and not pod_keeps_stacks(plan, lay, shape)
-        prefill = (cpu_pass_s(remote, flops_per_token, c * work.prompt_tokens, cores, shape, hw, hw.experts_efficiency)
-                   if on_pod else stream.prefill_s)
-        return StageCost(cpu_pass_s(read, flops_per_token, c, cores, shape, hw, hw.experts_efficiency) + calls, prefill)
+
+        def pod_s(tokens: int) -> float:  # a step of `tokens` computed by the CPU pod (max_rows at a time)
+            read = remote * (1 - (1 - shape.routed / shape.experts) ** tokens)
+            calls = shape.num_layers * -(-tokens // DEFAULT_MAX_ROWS) * hw.coproc_call_s
+            return cpu_pass_s(read, flops_per_token, tokens, cores, shape, hw, hw.experts_efficiency) + calls
+
+        # a prefill step goes where a decode step of its tokens would (the main stage asks by the step's tokens):
+        # the CPU pod up to max_rows, and larger ones too for quantized experts unless the pod keeps the stacks the
+        # GPU copies; else the GPU streams the layer's cpu experts
+        rows = min(work.prompt, plan.max_num_batched_tokens)
+        to_pod = rows <= DEFAULT_MAX_ROWS or (quantized and not pod_keeps_stacks(plan, lay, shape))
+        return StageCost(pod_s(c), work.chunks(plan) * pod_s(rows) if to_pod else stream.prefill_s)
 
     def patch_vllm(self) -> list[str]:
         from .patches import apply  # vLLM's modules: only in a stage's vLLM process
