@@ -183,18 +183,20 @@ def scrape(url: str) -> str | None:
 
 def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, float]]:
     """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far, and (expert tokens, routed pairs,
-    busy seconds, layer steps, seconds between layers, intervals) of an experts server (strategy experts' cpu stage; 0 elsewhere)."""
+    busy seconds, layer steps, seconds between layers, intervals) of an experts server (strategy experts' cpu stage; 0 elsewhere),
+    a coprocessor's (busy seconds, products), and the experts server's seconds inside its kernel's calls."""
     out = []
     for url in metrics_urls:
         if (text := scrape(url)) is None:
-            out.append((0.0,) * 10)
+            out.append((0.0,) * 11)
             continue
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                 if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_", "hybrid_coproc_"))}
         out.append((vals.get("hybrid_stage_forward_seconds_sum", 0.0), vals.get("hybrid_stage_forward_seconds_count", 0.0),
                     *(vals.get(f"hybrid_{k}_total", 0.0) for k in (
                         "experts_expert_tokens", "experts_routed_pairs", "experts_busy_seconds", "experts_steps",
-                        "experts_between_seconds", "experts_betweens", "coproc_busy_seconds", "coproc_products"))))
+                        "experts_between_seconds", "experts_betweens", "coproc_busy_seconds", "coproc_products",
+                        "experts_kernel_seconds"))))
     return out
 
 
@@ -231,6 +233,8 @@ def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: in
         if layer_steps:
             busy, n = map(sum, zip(*layer_steps))
             w["experts_cpu_ms_per_layer_step"] = round(1000 * busy / n, 3)
+            kernel = sum(a[10] - b[10] for a, b in zip(after, before))
+            w["experts_kernel_ms_per_layer_step"] = round(1000 * kernel / n, 3)  # of it, inside the kernel's calls
             w["experts_cpu_layer_steps"] = int(n)
             between, m = map(sum, zip(*[(a[6] - b[6], a[7] - b[7]) for a, b in zip(after, before)]))
             if m:

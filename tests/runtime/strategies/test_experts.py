@@ -214,13 +214,15 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
             steps, reads, tokens)
         served_rows = sum(rows for layer, rows in [(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)] if rows <= 8)
         assert _metric(port, "routed_pairs") == served_rows * K  # the remote share's base
-        assert _metric(port, "busy_seconds") > 0
+        assert 0 < _metric(port, "kernel_seconds") < _metric(port, "busy_seconds")  # the rest: the server's own path
         # a step's next MoE layer (0 -> 2), not a new step's first (2 -> 0) nor a layer the main stage kept (12 rows)
         assert _metric(port, "betweens") == 2 and _metric(port, "between_seconds") > 0
         assert set(re.findall(r"^# TYPE hybrid_experts_\w+ (\w+)$", _scrape(port), re.M)) == {"counter"}
         # the bench reads them by these names: (expert tokens, routed pairs, busy, steps, between, betweens)
-        got = bench_script("gpu_bench").forward_totals([f"http://127.0.0.1:{port}/metrics"])[0][2:8]
+        totals = bench_script("gpu_bench").forward_totals([f"http://127.0.0.1:{port}/metrics"])[0]
+        got = totals[2:8]
         assert (got[0], got[1], got[3], got[5]) == (tokens, served_rows * K, steps, 2) and got[2] > 0 and got[4] > 0
+        assert 0 < totals[10] < got[2]  # the kernel's seconds, within the busy ones
         measured = {m.group(1): float(m.group(2)) for m in re.finditer(
             r'^hybrid_stage_measured{[^}]*figure="([^"]+)"[^}]*} (\S+)$', _scrape(port), re.M)}
         client.sock.close()  # the main stage went: the server stops at its next idle check

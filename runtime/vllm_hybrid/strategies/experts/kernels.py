@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class Served:
     expert_tokens: int = 0  # (token, expert) pairs computed
     routed_pairs: int = 0   # (token, slot) pairs of the steps served, wherever their expert is: the remote share's base
     busy_s: float = 0.0     # computing (the rest of the time it waits for the main stage)
+    kernel_s: float = 0.0   # of which inside the kernel's call (the rest of busy_s: the server's own path around it)
     # from one layer's answer to the next layer's request of the same step: the main stage's own work between two
     # MoE layers plus both hand-overs (where a step's time goes beside busy_s)
     between_s: float = 0.0
@@ -136,7 +138,11 @@ def per_routed_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo
     if not slots.numel():
         return torch.zeros(rows, x.shape[1], dtype=x.dtype)
     tokens, pick = slots // k, where[slots].unsqueeze(1)
-    out = run(x.index_select(0, tokens), weights.reshape(-1)[slots].unsqueeze(1).float(), pick).float()
+    xs, routed, t0 = x.index_select(0, tokens), weights.reshape(-1)[slots].unsqueeze(1).float(), time.perf_counter()
+    out = run(xs, routed, pick)
+    if served is not None:
+        served.kernel_s += time.perf_counter() - t0
+    out = out.float()
     y = out.sum(0, keepdim=True) if rows == 1 else torch.zeros(rows, x.shape[1]).index_add_(0, tokens, out)
     if served is not None:
         served.expert_reads += len(set(pick.view(-1).tolist()))
@@ -168,8 +174,12 @@ class LayerExperts:
         if self.quant is not None:
             run = lambda xs, routed, pick: fused_experts(xs, self.quant, routed, pick)  # noqa: E731
             return per_routed_row(x, ids, weights, self.local, run, served)
-        if self.packed is None:
-            return compute(x, ids, weights, self.weights, self.ids, served)
+        if self.packed is None:  # torch's GEMMs: the whole of it is the kernel
+            t0 = time.perf_counter()
+            y = compute(x, ids, weights, self.weights, self.ids, served)
+            if served is not None:
+                served.kernel_s += time.perf_counter() - t0
+            return y
         return compute_packed(x, ids, weights, *self.packed, self.local, self.kernel, served)
 
 

@@ -146,6 +146,8 @@ def serve_metrics(port: int, served: Served) -> None:
         ("routed_pairs", "Token-expert pairs routed in the steps this CPU stage served (its share: expert_tokens "
          "over this)", lambda: served.routed_pairs),
         ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)", lambda: served.busy_s),
+        ("kernel_seconds", "Of busy_seconds, the time inside the expert kernel's calls (the rest: the server's own path "
+         "around them)", lambda: served.kernel_s),
         ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
          "work between two MoE layers and both hand-overs)", lambda: served.between_s),
         ("betweens", "Intervals summed in between_seconds", lambda: served.betweens))
