@@ -103,6 +103,10 @@ def test_packed_kernel_in_place_equals_the_dense_reference(choice):
     assert y.dtype == torch.bfloat16 and torch.equal(y[6], torch.zeros(H, dtype=torch.bfloat16))
     torch.testing.assert_close(y.float(), dense(x, ids, weights, all_experts, remote), rtol=3e-2, atol=3e-2)
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
+    for t in (0, 1):  # one token (decode at concurrency 1): its remote slots as its top-n, summed by the kernel
+        one = slice(t, t + 1)
+        torch.testing.assert_close(layer.compute(x[one], ids[one], weights[one]).float(),
+                                   dense(x[one], ids[one], weights[one], all_experts, remote), rtol=3e-2, atol=3e-2)
     # experts not back to back (or float32 on AMX): torch's GEMMs on the region as it is
     apart = [(w13[i], w2[i]) for i in (0, 2)]
     assert experts_kernels.layer_experts(flat, [1, 6], apart, choice).packed is None
