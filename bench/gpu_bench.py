@@ -181,22 +181,22 @@ def scrape(url: str) -> str | None:
         return None
 
 
-def forward_totals(metrics_urls: list[str]) -> list[tuple[float, float, float, float]]:
-    """(seconds, steps) of hybrid_stage_forward_seconds on each stage so far, and (expert tokens, routed pairs,
-    busy seconds, layer steps, seconds between layers, intervals) of an experts server (strategy experts' cpu stage; 0 elsewhere),
-    a coprocessor's (busy seconds, products), and the experts server's seconds inside its kernel's calls."""
+# the counters forward_totals reads, by the names drive and the tests use (hybrid_<name>_total; 0 where absent)
+TOTALS = ("experts_expert_tokens", "experts_routed_pairs", "experts_busy_seconds", "experts_kernel_seconds",
+          "experts_steps", "experts_between_seconds", "experts_betweens", "coproc_busy_seconds", "coproc_products")
+
+
+def forward_totals(metrics_urls: list[str]) -> list[dict[str, float]]:
+    """Per stage so far: hybrid_stage_forward_seconds' sum and count ("forward_seconds", "forward_steps") and the
+    TOTALS (an experts server's and a coprocessor's counters; 0 elsewhere)."""
     out = []
     for url in metrics_urls:
-        if (text := scrape(url)) is None:
-            out.append((0.0,) * 11)
-            continue
+        text = scrape(url) or ""
         vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                 if l.startswith(("hybrid_stage_forward_seconds_", "hybrid_experts_", "hybrid_coproc_"))}
-        out.append((vals.get("hybrid_stage_forward_seconds_sum", 0.0), vals.get("hybrid_stage_forward_seconds_count", 0.0),
-                    *(vals.get(f"hybrid_{k}_total", 0.0) for k in (
-                        "experts_expert_tokens", "experts_routed_pairs", "experts_busy_seconds", "experts_steps",
-                        "experts_between_seconds", "experts_betweens", "coproc_busy_seconds", "coproc_products",
-                        "experts_kernel_seconds"))))
+        out.append({"forward_seconds": vals.get("hybrid_stage_forward_seconds_sum", 0.0),
+                    "forward_steps": vals.get("hybrid_stage_forward_seconds_count", 0.0),
+                    **{k: vals.get(f"hybrid_{k}_total", 0.0) for k in TOTALS}})
     return out
 
 
@@ -220,28 +220,29 @@ def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: in
         after = forward_totals(metrics_urls)
         # decode speed of the batch: what a long wave's tokens/s tends to, without its prefill
         w["decode_tok_per_s"] = round(c * 1000 / w["tpot_ms"], 2) if w.get("tpot_ms") else None
+        # each stage's counters over the wave
+        d = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
         # mean forward time per step on each stage during the wave (prefill steps included)
-        w["stage_forward_ms"] = [round(1000 * (a[0] - b[0]) / (a[1] - b[1]), 2) if a[1] > b[1] else None
-                                 for a, b in zip(after, before)]
+        w["stage_forward_ms"] = [round(1000 * s["forward_seconds"] / s["forward_steps"], 2) if s["forward_steps"] > 0
+                                 else None for s in d]
         # strategy experts: the share of the served steps' routed (token, expert) pairs that went to the cpu experts
         # (dummy weights route otherwise than real ones: figures scale with it)
-        pairs = [(a[2] - b[2], a[3] - b[3]) for a, b in zip(after, before) if a[3] > b[3]]
-        if pairs:
-            w["remote_share"] = round(sum(t for t, _ in pairs) / sum(p for _, p in pairs), 3)
+        served = [s for s in d if s["experts_routed_pairs"] > 0]
+        if served:
+            w["remote_share"] = round(sum(s["experts_expert_tokens"] for s in served)
+                                      / sum(s["experts_routed_pairs"] for s in served), 3)
         # where a step's time goes: the expert server's compute per MoE layer step, against the main stage's step
-        layer_steps = [(a[4] - b[4], a[5] - b[5]) for a, b in zip(after, before) if a[5] > b[5]]
-        if layer_steps:
-            busy, n = map(sum, zip(*layer_steps))
-            w["experts_cpu_ms_per_layer_step"] = round(1000 * busy / n, 3)
-            kernel = sum(a[10] - b[10] for a, b in zip(after, before))
-            w["experts_kernel_ms_per_layer_step"] = round(1000 * kernel / n, 3)  # of it, inside the kernel's calls
+        total = lambda k: sum(s[k] for s in d)  # noqa: E731
+        if (n := total("experts_steps")) > 0:
+            w["experts_cpu_ms_per_layer_step"] = round(1000 * total("experts_busy_seconds") / n, 3)
+            # of it, inside the kernel's calls
+            w["experts_kernel_ms_per_layer_step"] = round(1000 * total("experts_kernel_seconds") / n, 3)
             w["experts_cpu_layer_steps"] = int(n)
-            between, m = map(sum, zip(*[(a[6] - b[6], a[7] - b[7]) for a, b in zip(after, before)]))
-            if m:
-                w["experts_between_layers_ms"] = round(1000 * between / m, 3)
+            if m := total("experts_betweens"):
+                w["experts_between_layers_ms"] = round(1000 * total("experts_between_seconds") / m, 3)
         # strategy coprocessor: the product server's compute per split step, against the step's TPOT: the rest of a
         # step it waits for the GPU (copies, hand-overs, the GPU's own work)
-        products = [(a[8] - b[8], a[9] - b[9]) for a, b in zip(after, before) if a[9] > b[9]]
+        products = [(s["coproc_busy_seconds"], s["coproc_products"]) for s in d if s["coproc_products"] > 0]
         if products and split_products:
             busy, n = map(sum, zip(*products))
             w["coproc_cpu_ms_per_step"] = round(1000 * busy / (n / split_products), 2)

@@ -96,7 +96,7 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
                                                                 "step_busy_seconds")), ("hybrid_coproc_split_products", "gauge")}
         # the bench reads them by these names (a renamed metric would read as 0 there, not fail)
         bench, url = bench_script("gpu_bench"), f"http://127.0.0.1:{port}/metrics"
-        assert bench.forward_totals([url])[0][9] == calls  # coproc_products
+        assert bench.forward_totals([url])[0]["coproc_products"] == calls
         assert {rows: n for rows, (_, n) in bench.coproc_by_rows([url]).items()} == {
             1: 2 * len(SHAPES), 8: len(SHAPES), 3: len(SHAPES)}
         assert 'hybrid_stage_measured{figure="cpu_products_gbs_160x64_rows_1"' in metrics

@@ -222,11 +222,12 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         # a step's next MoE layer (0 -> 2), not a new step's first (2 -> 0) nor a layer the main stage kept (12 rows)
         assert _metric(port, "betweens") == 2 and _metric(port, "between_seconds") > 0
         assert set(re.findall(r"^# TYPE hybrid_experts_\w+ (\w+)$", _scrape(port), re.M)) == {"counter"}
-        # the bench reads them by these names: (expert tokens, routed pairs, busy, steps, between, betweens)
-        totals = bench_script("gpu_bench").forward_totals([f"http://127.0.0.1:{port}/metrics"])[0]
-        got = totals[2:8]
-        assert (got[0], got[1], got[3], got[5]) == (tokens, served_rows * K, steps, 2) and got[2] > 0 and got[4] > 0
-        assert 0 < totals[10] < got[2]  # the kernel's seconds, within the busy ones
+        # the bench reads them by these names
+        got = bench_script("gpu_bench").forward_totals([f"http://127.0.0.1:{port}/metrics"])[0]
+        assert (got["experts_expert_tokens"], got["experts_routed_pairs"], got["experts_steps"],
+                got["experts_betweens"]) == (tokens, served_rows * K, steps, 2)
+        assert got["experts_busy_seconds"] > 0 and got["experts_between_seconds"] > 0
+        assert 0 < got["experts_kernel_seconds"] < got["experts_busy_seconds"]  # the kernel's, within the busy ones
         measured = {m.group(1): float(m.group(2)) for m in re.finditer(
             r'^hybrid_stage_measured{[^}]*figure="([^"]+)"[^}]*} (\S+)$', _scrape(port), re.M)}
         client.sock.close()  # the main stage went: the server stops at its next idle check
