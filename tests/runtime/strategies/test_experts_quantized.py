@@ -155,8 +155,9 @@ def test_quantized_experts_refuse_what_the_kernel_cannot_read():
 
 def test_large_steps_of_kept_w4a16_stacks_compute_the_checkpoints_weights_on_the_main_stage():
     """A prompt-sized step of a W4A16 layer whose stacks the CPU pod keeps: the main stage copies them (here to the
-    CPU, on the device to its GPU), dequantizes the routed experts one at a time and computes them in bf16: the dense
-    reference of the checkpoint's weights, to bf16's rounding (no int8 activations: W4A16 as vLLM's GPU kernels)."""
+    CPU; on CUDA to its GPU, where vLLM's Marlin MoE computes them: tests/gpu/test_gpu_experts_marlin.py checks it
+    against this path), dequantizes the routed experts one at a time and computes them in bf16: the dense reference
+    of the checkpoint's weights, to bf16's rounding (no int8 activations: W4A16 as vLLM's GPU kernels)."""
     from vllm_hybrid.strategies.experts.client import Client, Held
 
     w13, w2 = experts()

@@ -102,8 +102,8 @@ def quantized_experts(shape: ModelShape) -> bool:
 
 
 def kept_format(shape: ModelShape) -> bool:
-    """W4A16 in GPTQ's layout (compressed-tensors' too): the main stage can dequantize the stacks the loader wrote
-    (quantized.Dequantized) and compute large steps from them on its GPU, if the CPU pod keeps them."""
+    """W4A16 in GPTQ's layout (compressed-tensors' too): the main stage can compute large steps on its GPU from the
+    stacks the loader wrote (quantized.Marlin), if the CPU pod keeps them."""
     fmt = shape.weight_format
     return quantized_experts(shape) and fmt.bits == 4 and fmt.method not in ("awq", "mxfp4")
 
@@ -179,10 +179,8 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
     # 80 GB H100)
     layer_remote = -(-(total * per_layer - min(fit, total * per_layer)) // total)  # a layer's, rounded up
-    staging = 3 * layer_remote + 1
-    if kept_format(shape):  # two layers' stacks as written (a double buffer) and one expert dequantized at a time
-        staging = 2 * layer_remote + -(-5 * 3 * shape.hidden * shape.intermediate * 2 // expert_bytes(shape))
-    elif quantized_experts(shape):  # large steps go to the CPU pod too: nothing is staged here
+    staging = 3 * layer_remote + 1  # kept quantized stacks alike: two as written and the layer's Marlin repack
+    if quantized_experts(shape) and not kept_format(shape):  # large steps go to the CPU pod too: nothing is staged here
         staging = 0
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
     if fit < total:

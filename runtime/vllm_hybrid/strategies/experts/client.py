@@ -130,12 +130,13 @@ class Held:
     packed: str | None = None                  # the server packed them for its kernel (packed_kernel's name)
     # quantized experts (quantized.FORMATS' name): the region holds their tensors by role (w13, w13_scale, ...) as
     # vLLM's loader writes them (also `stacks`, in that order); the server prepares its own copy. Kept (`nearby`):
-    # large steps copy them to the GPU and dequantize them there; else the server frees these pages and computes
+    # large steps copy them to the GPU and compute them there (`large`); else the server frees these pages and computes
     # every step of the layer, large ones in parts
     fmt: str | None = None
     tensors: dict[str, torch.Tensor] | None = None
     nearby: bool = False
     dtype: torch.dtype = torch.bfloat16  # the activations' (dequantized experts are computed in it)
+    large: Callable | None = None  # kept, on CUDA: f(x, ids, weights, the staged tensors by role) (quantized.Marlin)
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -312,6 +313,8 @@ class Client(RegionClient):
         following = min((n for n in self.layers if n > layer), default=None)
         if following is not None:
             self.staged = self.prefetch(following, x.device)
+        if held.large is not None:
+            return held.large(x, ids, weights, dict(zip(held.tensors, stacks)))
         return compute(x, ids, weights, held.unpacked(stacks), held.ids)
 
     def prefetch(self, layer: int, device: torch.device) -> tuple[int, list[torch.Tensor], object]:

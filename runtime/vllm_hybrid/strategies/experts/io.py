@@ -35,7 +35,7 @@ SOCKET_ENV, BYTES_ENV, REMOTE_ENV, MAX_ROWS_ENV, COUNTS_ENV = (
     "HYBRID_EXPERTS_COUNTS")
 COUNTS_EVERY_ENV = "HYBRID_EXPERTS_COUNTS_EVERY"  # seconds of serving between two saves of the routing counts
 # "1": the CPU pod keeps the W4A16 stacks the loader wrote beside its prepared copy, and the main stage's GPU computes
-# large steps (prompts) from them (quantized.Dequantized); the plan sets it where the pod's memory holds both
+# large steps (prompts) from them (quantized.Marlin); the plan sets it where the pod's memory holds both
 KEEP_ENV = "HYBRID_EXPERTS_KEEP"
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
 SERVED_FORMATS = ("FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order, AWQ or "

@@ -95,6 +95,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
     from vllm.platforms import current_platform
 
     from . import client as side
+    from . import quantized
     logger = init_logger("vllm.hybrid.patches")
     cls, method_cls = routed_experts.RoutedExperts, unquantized.UnquantizedFusedMoEMethod
     original_init, original_loader = cls.__init__, cls.weight_loader
@@ -177,6 +178,9 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             self.hidden_size, self.params_dtype, self.top_k, self.global_num_experts)
         for role, name in roles.items():
             shadow_params[name].data = stacks[role]  # the loader writes the region (the attributes it reads stay)
+        if client.keeps(fmt):  # large steps: vLLM's Marlin MoE over the staged stacks, as for the layer's own experts
+            args = getattr(self.quant_method, "weight_quant", None) or self.quant_method.quant_config
+            client.layers[layer].large = quantized.Marlin(self, args, remote, self.global_num_experts)
         client.local[layer] = functools.partial(local_experts, self)
         self._hybrid_layer, self._hybrid_format = layer, fmt
         keep_shadows(self, shadow_params)

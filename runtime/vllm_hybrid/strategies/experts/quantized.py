@@ -148,10 +148,49 @@ def fused_experts(x: torch.Tensor, stacks: QuantStacks, routed: torch.Tensor, pi
 
 
 # The main stage's large steps (prompts) of W4A16 layers: the remote experts' stacks as the loader wrote them, copied
-# to its GPU and dequantized there one expert at a time (a layer's 0.5 GB crosses PCIe in about 10 ms; the CPU pod's
-# kernel took 17 s for a 1k-token prompt of the 235B). In the activations' dtype: W4A16 as vLLM's GPU kernels compute
-# it.
+# to its GPU (a layer's 0.5 GB crosses PCIe in about 10 ms; the CPU pod's kernel took 17 s for a 1k-token prompt of
+# the 235B) and computed there with bf16 activations, as vLLM's GPU kernels compute W4A16: on CUDA by vLLM's Marlin
+# MoE (Marlin below), elsewhere dequantized one expert at a time (Dequantized: torch ops, the reference).
 DEQUANTIZED = ("w4a16",)  # GPTQ's (and compressed-tensors') layout; AutoAWQ's packs along the outputs
+
+
+class Marlin:
+    """A kept W4A16 layer's remote experts over a large step on CUDA, as vLLM computes the layer's own: the staged
+    stacks repacked by the quant method's preparation (convert_to_wna16_moe_kernel_format, what the method's
+    process_weights_after_loading runs; Marlin's tile padding included), then fused_marlin_moe under an expert map
+    (global id -> index in the stacks, -1: the main stage's own experts, which its kernel computes). The per-expert
+    torch path took about 29 ms a layer of a 1k-token prompt of the 235B on an H200, bound by its ~20 launches for each
+    of 54 experts, against about 10 for the layer's copy."""
+
+    def __init__(self, layer, quant_args, remote: list[int], num_experts: int):
+        # layer: the RoutedExperts module (its intermediate size: Marlin's padding); quant_args: the method's
+        # QuantizationArgs (compressed-tensors) or AutoGPTQConfig, which pick the packing
+        self.layer, self.quant_args, self.num_experts = layer, quant_args, num_experts
+        emap = torch.full((num_experts,), -1, dtype=torch.int32)
+        emap[remote] = torch.arange(len(remote), dtype=torch.int32)
+        self.expert_map, self.workspace = emap, None
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (
+            WNA16MoEBackend,
+            convert_to_wna16_moe_kernel_format,
+        )
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
+        from vllm.scalar_type import scalar_types
+
+        if self.expert_map.device != x.device:
+            self.expert_map = self.expert_map.to(x.device)
+            self.workspace = marlin_make_workspace_new(x.device, 4)
+        no_order = torch.empty((tensors["w13"].shape[0], 0), dtype=torch.int32, device=x.device)  # act-order refused
+        w13, w2, s13, s2, g13, g2, sort13, sort2, *_ = convert_to_wna16_moe_kernel_format(
+            WNA16MoEBackend.MARLIN, self.layer, self.quant_args, None, tensors["w13"], tensors["w2"],
+            tensors["w13_scale"], tensors["w2_scale"], no_order, no_order)
+        return fused_marlin_moe(x.contiguous(), w13, w2, None, None, s13, s2, weights.float(), ids,
+                                scalar_types.uint4b8.id,  # symmetric int4, stored + 8 (the plan refuses zero points)
+                                global_num_experts=self.num_experts, expert_map=self.expert_map, g_idx1=g13, g_idx2=g2,
+                                sort_indices1=sort13, sort_indices2=sort2, workspace=self.workspace, is_k_full=True)
 
 
 def dequantize_w4a16(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare = None if kernel_choice() == "torch" else vllm_cpu_ops
     serve_one_session("experts", "strategy experts: the CPU pod's expert server", argv,
                       lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served), prepare)
-    log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens)",
-             served.steps, served.expert_reads, served.expert_tokens)
+    log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens); busy %.4f s, "
+             "in the kernel %.4f s", served.steps, served.expert_reads, served.expert_tokens, served.busy_s,
+             served.kernel_s)
     return 0
 
 

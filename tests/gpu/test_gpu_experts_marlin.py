@@ -1,0 +1,68 @@
+"""GPU machine: a kept W4A16 layer's large step by vLLM's Marlin MoE (quantized.Marlin) against the per-expert torch
+path (quantized.Dequantized through kernels.compute), on random int4 stacks of a Qwen3-235B-A22B layer's shape (54 of
+128 experts remote, as an 80 GiB budget leaves them; a 1k-token prompt, top-8). Both run in vLLM's CUDA build
+(HYBRID_GPU_PYTHONPATH), in a child process; its figures (error, ms a layer each) go to gpu_results.json."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+OUT = Path(os.environ.get("HYBRID_GPU_OUT", "/tmp/hybrid-gpu"))
+
+CHILD = r"""
+import json, sys, time, types
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+from vllm_hybrid.strategies.experts import kernels, quantized
+
+hidden, inter, experts, remote_n, tokens, top_k = (int(a) for a in sys.argv[1:7])
+torch.manual_seed(0)
+dev = torch.device("cuda")
+remote = sorted(torch.randperm(experts)[:remote_n].tolist())
+words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=dev)
+scales = lambda *shape: (torch.rand(*shape, device=dev) * 0.002 + 0.001).bfloat16()
+tensors = {"w13": words(remote_n, hidden // 8, 2 * inter), "w2": words(remote_n, inter // 8, hidden),
+           "w13_scale": scales(remote_n, hidden // 128, 2 * inter), "w2_scale": scales(remote_n, inter // 128, hidden)}
+x = torch.randn(tokens, hidden, device=dev).bfloat16()
+ids = torch.stack([torch.randperm(experts, device=dev)[:top_k] for _ in range(tokens)]).to(torch.int32)
+weights = torch.softmax(torch.randn(tokens, top_k, device=dev), dim=-1)
+layer = types.SimpleNamespace(intermediate_size_per_partition=inter)
+args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+marlin = quantized.Marlin(layer, args, remote, experts)
+torch_path = lambda: kernels.compute(x, ids, weights, quantized.Dequantized("w4a16", tensors, torch.bfloat16), remote)
+marlin_path = lambda: marlin(x, ids, weights, tensors)
+
+def ms(f, n=5):
+    f(); torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(n):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+ref, got = torch_path().float(), marlin_path().float()
+err = ((got - ref).norm() / ref.norm()).item()
+print(json.dumps({"rel_error": err, "ms_torch_path": ms(torch_path), "ms_marlin": ms(marlin_path),
+                  "remote": remote_n, "tokens": tokens, "ref_norm": ref.norm().item()}))
+"""
+
+
+def test_marlin_large_steps_equal_the_per_expert_torch_path():
+    path = os.environ.get("HYBRID_GPU_PYTHONPATH")
+    if not path:
+        pytest.fail("set HYBRID_GPU_PYTHONPATH (see tests/gpu/README.md)")
+    shape = ("4096", "1536", "128", "54", "1024", "8")  # Qwen3-235B-A22B's MoE layer; 54 remote: 5125 / 94 rounded up
+    run = subprocess.run([sys.executable, "-c", CHILD, *shape], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": path, "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = OUT / "gpu_results.json"
+    old = json.loads(results.read_text()) if results.exists() else {}
+    results.write_text(json.dumps({**old, "experts_marlin_large_step": figures}, indent=1))
+    assert figures["ref_norm"] > 0
+    # both compute bf16 activations on the same int4 weights; they differ by bf16 rounding and summation order only
+    assert figures["rel_error"] < 0.02, figures
