@@ -86,13 +86,9 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     if f.biased:  # and the biases and the activation are the format's: without them it is far off
         assert rel(dense(x, ids, weights, deq13, deq2, remote), want) > 0.3
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
-    # above, each token a row, its remote slots its top-n (padded with 0-weighted repeats), summed by the kernel; so
-    # for one token (a decode step at concurrency 1)
+    # one token (a decode step at concurrency 1): its remote slots go to the kernel as its top-n, summed there
     for t in (0, 1):  # two remote slots, one
         assert rel(layer.compute(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]), want[t:t + 1]) < TOLERANCE[fmt]
-    # three tokens without remote slots beside one with two (padding would double the rows): a row per pair
-    few = torch.tensor([6, 6, 6, 0])
-    assert rel(layer.compute(x[few], ids[few], weights[few]), want[few]) < TOLERANCE[fmt]
     per_expert = {"fp8-block": 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128),
                   "int8": 3 * H * INTER + 4 * (2 * INTER + H),
                   "w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128,

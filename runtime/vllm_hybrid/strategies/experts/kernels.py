@@ -125,49 +125,35 @@ def compute_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         out = torch.empty_like(xs)
         torch.ops._C.cpu_fused_moe(out, xs, w13, w2, None, None, routed, pick, False, "silu", kernel)
         return out
-    return per_routed_row(x, ids, weights, local, run, served, repeats=kernel == "sgl")
+    return per_routed_row(x, ids, weights, local, run, served)
 
 
 def per_routed_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, run,
-                   served: Served | None = None, repeats: bool = True) -> torch.Tensor:
+                   served: Served | None = None) -> torch.Tensor:
     """y from `run(xs, routed, pick)`, a fused MoE kernel (which weights each row's slots and sums them) over the
-    routed (token, slot) pairs whose expert is remote. Where padding at most doubles them, one row per token, its
-    remote slots as its top-n and the kernel sums them (decode); else one row per pair, top-1, summed here. routed:
-    the weights, float32; pick: the experts' indices in the stacks, int32. `repeats`: the kernel takes an expert
-    twice in a row (fused_experts_cpu: a row of its own per slot); else tokens are rows only where none is padded."""
+    routed (token, slot) pairs whose expert is remote: one token's remote slots as its top-n (decode at concurrency
+    1), else one row per pair, top-1 (tokens have differing numbers of remote slots), summed here. routed: the
+    weights, float32; pick: the experts' indices in the stacks, int32."""
     # a decode step's call: the routing is picked apart in numpy (an op costs about a microsecond there, several in
-    # torch), and tokens are the kernel's rows: torch's gather, scatter and casts around the kernel took 0.26 / 0.47 ms
-    # a layer step at 4 / 16 tokens on an H200 box's 15 threads (bench/experts_serving.py), 17-20% of the step
+    # torch), and one token's slots are summed by the kernel: 51 us -> 12 us on 2 cores, besides the kernel
     rows, k = ids.shape
     where_all = local.numpy()
-    where = where_all[np.minimum(ids.numpy(), len(where_all) - 1)]  # rows x k; past the last remote id: the -1
-    remote = where >= 0
-    pairs, width = int(remote.sum()), int(remote.sum(1).max())
-    if not pairs:
+    where = where_all[np.minimum(ids.numpy().reshape(-1), len(where_all) - 1)]  # past the last remote id: the -1
+    slots = np.flatnonzero(where >= 0)
+    if not len(slots):
         return torch.zeros(rows, x.shape[1], dtype=x.dtype)
-    by_token = rows * width <= 2 * pairs if repeats else rows * width == pairs
-    if by_token:
-        # each token's remote slots first; the rest weighted 0 on an expert the step reads anyway (the token's first,
-        # or the step's): no bytes more, and the kernel gives each (row, slot) its own row, so a repeat is summed as 0
-        order = np.argsort(~remote, axis=1, kind="stable")[:, :width]
-        pick, pad = np.take_along_axis(where, order, 1), ~np.take_along_axis(remote, order, 1)
-        fill = np.where(pad[:, 0], where[remote][0], pick[:, 0])
-        pick = np.where(pad, fill[:, None], pick).astype(np.int32)
-        routed = np.where(pad, 0.0, np.take_along_axis(weights.float().numpy(), order, 1)).astype(np.float32)
-        xs, picked = x, pick[~pad]
-    else:
-        slots = np.flatnonzero(remote)
-        tokens, picked = slots // k, where.reshape(-1)[slots]
-        xs = x.index_select(0, torch.from_numpy(tokens))
-        pick = picked.reshape(-1, 1)
-        routed = weights.float().numpy().reshape(-1)[slots].reshape(-1, 1)
+    tokens, picked = slots // k, where[slots]
+    one = rows == 1
+    xs = x if one else x.index_select(0, torch.from_numpy(tokens))
+    shape = (1, len(slots)) if one else (len(slots), 1)
+    routed = torch.from_numpy(weights.float().numpy().reshape(-1)[slots].reshape(shape))
     t0 = time.perf_counter()
-    out = run(xs, torch.from_numpy(np.ascontiguousarray(routed)), torch.from_numpy(np.ascontiguousarray(pick)))
+    out = run(xs, routed, torch.from_numpy(picked.reshape(shape)))
     if served is not None:
         served.kernel_s += time.perf_counter() - t0
         served.expert_reads += len(set(picked.tolist()))
-        served.expert_tokens += pairs
-    if by_token:
+        served.expert_tokens += len(slots)
+    if one:
         return out.to(x.dtype)
     return torch.zeros(rows, x.shape[1]).index_add_(0, torch.from_numpy(tokens), out.float()).to(x.dtype)
 
