@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cpubind import CpuBinding, format_cpulist
+from .cpubind import THP_ENV, CpuBinding, format_cpulist
 from .identity import Identity
 from .plan import Plan, PlanError
 from .planner import GiB, Split
@@ -174,6 +174,8 @@ def vllm_env(plan: Plan, rec: StageRecord, ident: Identity, binding: CpuBinding 
             "VLLM_CPU_OMP_THREADS_BIND": binding.omp_bind,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the reserve is already left out of omp_bind
         })
+        for key, value in THP_ENV.items():  # every strategy's CPU stage alike (the baselines too)
+            env.setdefault(key, value)
         if not binding.pinned:  # "nobind": vLLM leaves the threads alone; size the pool to the request
             env["OMP_NUM_THREADS"] = str(binding.threads_per_rank)
         if binding.threads_per_rank == 1 and rec.tp == 1:

@@ -70,6 +70,9 @@ def test_cpu_stage_is_headless_with_cpu_env():
     assert env["VLLM_CPU_SGL_KERNEL"] == "1" and env["HYBRID_BATCHES_IN_FLIGHT"] == "1"
     assert build(1, env={})[1]["HYBRID_PIPELINE_RANK"] == "1"
     assert vllm_env(*_built(1), {"VLLM_CPU_SGL_KERNEL": "0"})["VLLM_CPU_SGL_KERNEL"] == "0"  # a stage may opt out
+    # weights on transparent huge pages (cpubind.THP_ENV) unless the stage's env says otherwise; not the GPU stage's
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1" and "THP_MEM_ALLOC_ENABLE" not in build(0)[1]
+    assert vllm_env(*_built(1), {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
     # the API stage's guard gets the model's vocabulary (it refuses token ids past it); a headless one has no API
     assert "HYBRID_VOCAB_SIZE" not in env and build(0)[1]["HYBRID_VOCAB_SIZE"] == str(LLAMA_8B["vocab_size"])
 
@@ -277,6 +280,8 @@ def test_server_threads_one_per_core_spinning_between_calls_unless_the_stage_say
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["HYBRID_STAGE"] == "1" and env["PATH"] == "/bin"
     assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env  # libgomp's own: spin a while, then sleep
     assert server_env(binding, {**image, WAIT_ENV: "passive"}, 1, "cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1"  # its experts on transparent huge pages (cpubind.THP_ENV)...
+    assert server_env(binding, {"THP_MEM_ALLOC_ENABLE": "0"}, 1, "cpu")["THP_MEM_ALLOC_ENABLE"] == "0"  # ...unless
     with pytest.raises(ValueError, match="HYBRID_SERVER_WAIT='sleep': one of spin, passive"):
         server_env(binding, {WAIT_ENV: "sleep"}, 1, "cpu")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..cpubind import CpuBinding
+from ..cpubind import THP_ENV, CpuBinding
 from ..identity import Identity
 from ..plan import Plan, PlanError
 from ..planner import BudgetRules, ModelShape, Split
@@ -97,6 +97,7 @@ def server_env(binding: CpuBinding, base: dict[str, str], stage: int, name: str)
     env = {k: v for k, v in base.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(binding.threads_per_rank), HYBRID_STAGE=str(stage),
                HYBRID_STAGE_NAME=name)
+    env = {**THP_ENV, **env}  # unless the stage's env says otherwise
     if wait == "passive":  # never ACTIVE: spinning for ever, each product took 8 ms instead of 1.3 (coproc_probe.json)
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if binding.pinned:
