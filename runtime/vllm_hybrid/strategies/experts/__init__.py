@@ -115,7 +115,7 @@ def pod_budget(plan: Plan) -> int | None:
 
 
 def pod_keeps_stacks(plan: Plan, lay: Layout, shape: ModelShape) -> bool:
-    """The main stage computes large steps from the stacks as written (io.KEEP_ENV): a format it dequantizes, and the
+    """The main stage computes large steps from the stacks as written (io.KEEP_ENV): a format it computes them in, and the
     CPU pod's memory holds them beside its prepared copy."""
     if not kept_format(shape):
         return False
