@@ -1,4 +1,5 @@
 """Stage supervision with stand-in processes (no vLLM): peer loss, stage-0 loss, SIGTERM."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -107,6 +108,30 @@ def test_sigterm_ends_every_process_of_the_stage():
         assert all(group_gone(k, timeout=1) for k in kids)
     finally:
         kill_all(head)
+
+
+def test_a_local_stage_is_stopped_when_what_started_it_dies():
+    """LocalPipeline's stages run in sessions of their own: a test or bench killed by `timeout` must not leave them
+    running (local.stop_with_parent). A stand-in parent starts a stand-in stage as LocalPipeline does, then is
+    SIGKILLed; the stage gets SIGTERM."""
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        from vllm_hybrid.local import stop_with_parent
+        stage = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                                 preexec_fn=stop_with_parent)
+        print(stage.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    stage = int(parent.stdout.readline())
+    try:
+        os.kill(stage, 0)  # running while its parent is
+        parent.kill()
+        parent.wait(10)
+        assert group_gone(stage, timeout=10)
+    finally:
+        parent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stage, signal.SIGKILL)
 
 
 def test_child_failure_is_the_exit_code():
