@@ -23,6 +23,9 @@ from vllm_hybrid.cpupod import hostmem
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 16))
 MS = [int(m) for m in os.environ.get("HYBRID_BENCH_MS", "1,4,16,64").split(",")]
+# which placements run (huge pages are reserved only for hugetlb); private is torch's own memory, on transparent huge
+# pages where THP_MEM_ALLOC_ENABLE=1 (cpubind.THP_ENV)
+PLACEMENTS = os.environ.get("HYBRID_BENCH_PLACEMENTS", "private,shmem,hugetlb").split(",")
 
 
 def layout(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -92,20 +95,23 @@ def measure(kind: str, total: int, dtype: torch.dtype) -> dict:
 def main(path: str) -> None:
     dtype = torch.bfloat16
     total = LAYERS * sum(n * k for n, k in SHAPES)
-    result = {"threads": torch.get_num_threads(), "weights_gb": round(total * 2 / 1e9, 2), "placements": {}}
+    result = {"threads": torch.get_num_threads(), "weights_gb": round(total * 2 / 1e9, 2), "placements": {},
+              "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "")}
     with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(hostmem.reserved_huge_pages(total * 2 // hostmem.HUGE_PAGE + 8))
-        except OSError as e:
-            print(f"no huge pages reserved ({e})", flush=True)
-        for kind in ("private", "shmem", "hugetlb"):
+        if "hugetlb" in PLACEMENTS:
+            try:
+                stack.enter_context(hostmem.reserved_huge_pages(total * 2 // hostmem.HUGE_PAGE + 8))
+            except OSError as e:
+                print(f"no huge pages reserved ({e})", flush=True)
+        for kind in PLACEMENTS:
             result["placements"][kind] = measure(kind, total, dtype)
-    base = result["placements"]["private"]["cpu_pass_ms"]
-    result["slowdown_vs_private"] = {kind: {m: round(p["cpu_pass_ms"][m] / base[m], 2) for m in MS}
-                                     for kind, p in result["placements"].items() if "cpu_pass_ms" in p}
+    if "private" in result["placements"]:
+        base = result["placements"]["private"]["cpu_pass_ms"]
+        result["slowdown_vs_private"] = {kind: {m: round(p["cpu_pass_ms"][m] / base[m], 2) for m in MS}
+                                         for kind, p in result["placements"].items() if "cpu_pass_ms" in p}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps(result["slowdown_vs_private"]))
+    print(json.dumps(result.get("slowdown_vs_private", {})))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ CGROUP_CPUSET_FILES = (
 )
 NUMA_ROOT = "/sys/devices/system/node"
 # CPU stages' and servers' torch allocations of 2 MiB and more on transparent huge pages (PyTorch's CPU allocator
-# madvises them; honoured where THP is "madvise" or "always"): a pod reading 50 GB of experts at random pays a page
-# walk per 4 KiB otherwise, whose tables (100 MB) miss the caches. On an H200 box the expert server's kernel took
-# 1.58 ms a 4-token layer step over all 94 layers of the 235B's pod with it (bench/experts_serving.py), against 2.26
-# where the served 235B's pod had 4 KiB pages (p-experts, an hour before on another box of the same kind)
+# madvises them; honoured where THP is "madvise" or "always"): a pod reading 50 GB of experts takes a TLB miss every
+# 4 KiB otherwise. On an H200 box the expert server's kernel took 1.58 ms a 4-token layer step over all 94 layers of
+# the 235B's pod with them (bench/experts_serving.py), 2.26 in the served pod on 4 KiB pages an hour before on
+# another box; not yet A/B'd on one box (HYBRID_BENCH_PLACEMENTS=private bench/page_size.py with and without it)
 THP_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
