@@ -14,14 +14,14 @@ from pathlib import Path
 
 import yaml
 
+from .supervise import on_parent_death
+
 
 def stop_with_parent() -> None:
     """In a stage's launcher (Popen's preexec_fn): SIGTERM, which it answers by stopping its vLLM, once the process that
     started it dies. Each stage runs in a session of its own, so a test or bench cut by `timeout` (SIGTERM, no exit
     handlers) left its stages running: a GPU test's engine held 46 GB of the GPU through the next call's bench."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    on_parent_death(signal.SIGTERM)
 
 
 def free_port(taken: set[int] = frozenset()) -> int:

@@ -350,12 +350,17 @@ def terminate_group(proc: subprocess.Popen, grace: float = TERM_GRACE_S) -> None
         _kill(group_members(proc.pid))
 
 
+def on_parent_death(sig: int) -> None:
+    """In a child (Popen's preexec_fn): `sig` once the process that started it dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
 def _die_with_parent() -> None:
     """In the vLLM child: get SIGKILL if the launcher dies (a SIGKILLed launcher cannot clean up;
     vLLM's engine and workers already exit when their parent does)."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    on_parent_death(signal.SIGKILL)
 
 
 TERMINATION_LOG = "/dev/termination-log"  # the kubelet's default terminationMessagePath
