@@ -231,6 +231,30 @@ def test_the_plan_keeps_w4a16_stacks_for_the_gpu_where_the_pods_memory_holds_bot
     assert 4000 < remote < 5500  # about 41% of the 12032 experts, the device run's 4997 less the staging's room
 
 
+def test_kept_stacks_in_marlins_layout_leave_the_gpu_a_layers_experts_more(monkeypatch):
+    """The 235B W4A16's intermediate size (1536, groups of 128) needs no Marlin tile padding, so its kept stacks are
+    rewritten in Marlin's layout at load (quantized.Marlin.lay_out) and a large step stages two copies, not two and a
+    repack: the GPU holds about a layer's remote experts more than where each step repacks its copy."""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import experts, resolve_split
+    from vllm_hybrid.tinymodel import QWEN3_235B_A22B, W4A16_GROUP128
+
+    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts", "stages": [
+        {"name": "gpu", "device": "gpu", "memory": "80Gi", "gpu_memory_utilization": 0.92},
+        {"name": "cpu", "device": "cpu", "cpus": 15, "memory": "120Gi"}]})
+    shape = model_shape({**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128})
+    assert experts.marlin_in_place(shape)
+    assert not experts.marlin_in_place(model_shape({**QWEN3_235B_A22B, "moe_intermediate_size": 1344,
+                                                    "quantization_config": W4A16_GROUP128}))  # 1344 % 128: padded
+    remote = lambda: resolve_split(plan, shape)[1].offload_bytes[0] // experts.expert_bytes(shape)  # noqa: E731
+    in_place = remote()
+    monkeypatch.setattr(experts, "marlin_in_place", lambda shape: False)
+    repacked = remote()
+    assert 94 * 40 < in_place < repacked and repacked - in_place in (in_place // 94, in_place // 94 + 1), \
+        (in_place, repacked)
+
+
 def test_the_cost_model_prefills_short_prompts_in_the_pod_and_long_ones_from_the_kept_stacks():
     """The 235B W4A16 with the pod keeping its stacks: a prefill step of at most max_rows tokens goes to the CPU pod
     as a decode step of as many tokens would (the main stage asks by the step's tokens), a longer one streams the

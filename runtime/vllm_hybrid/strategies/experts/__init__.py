@@ -5,6 +5,7 @@ is client.py and patches.py). Larger steps compute them on the gpu from that mem
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 
@@ -108,6 +109,13 @@ def kept_format(shape: ModelShape) -> bool:
     return quantized_experts(shape) and fmt.bits == 4 and fmt.method not in ("awq", "mxfp4")
 
 
+def marlin_in_place(shape: ModelShape) -> bool:
+    """Marlin's layout of a kept layer's stacks has their size, so it is written over them once at load
+    (quantized.Marlin.lay_out) and a large step stages only the copies: no tile padding of the intermediate size
+    (vLLM's marlin_moe_padded_intermediate: a multiple of 64 and of the group)."""
+    return shape.intermediate % math.lcm(64, shape.weight_format.group or 1) == 0
+
+
 def pod_budget(plan: Plan) -> int | None:
     """The CPU pod's bytes for experts (None: its memory is not given)."""
     cpu = next(s for s in plan.stages if s.is_cpu)
@@ -179,9 +187,9 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
     # 80 GB H100)
     layer_remote = -(-(total * per_layer - min(fit, total * per_layer)) // total)  # a layer's, rounded up
-    staging = 3 * layer_remote + 1  # kept quantized stacks alike: two as written and the layer's Marlin repack
-    if quantized_experts(shape) and not kept_format(shape):  # large steps go to the CPU pod too: nothing is staged here
-        staging = 0
+    staging = 3 * layer_remote + 1
+    if quantized_experts(shape):  # large steps go to the CPU pod (nothing staged here), or copy the kept stacks in
+        staging = 0 if not kept_format(shape) else (2 if marlin_in_place(shape) else 3) * layer_remote + 1
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
     if fit < total:
         raise PlanError(f"stages[{gpu}] ({sp.stage.name}): strategy experts does not fit: every layer's attention, "

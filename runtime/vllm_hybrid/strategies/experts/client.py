@@ -136,7 +136,7 @@ class Held:
     tensors: dict[str, torch.Tensor] | None = None
     nearby: bool = False
     dtype: torch.dtype = torch.bfloat16  # the activations' (dequantized experts are computed in it)
-    large: Callable | None = None  # kept, on CUDA: f(x, ids, weights, the staged tensors by role) (quantized.Marlin)
+    large: quantized.Marlin | None = None  # kept, on CUDA: f(x, ids, weights, the staged tensors by role)
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -297,6 +297,16 @@ class Client(RegionClient):
         else:
             self.side = CpuSide(io, alive=lambda: not closed(self.sock))
         return reply["threads"]
+
+    def lay_out_kept(self) -> tuple[int, float]:
+        """After publish (the CPU pod has prepared its own copy of every layer, and reads the region's no more): kept
+        layers' stacks rewritten in their large steps' kernel layout (Marlin.lay_out), so a step copies and computes.
+        (layers laid out, seconds)."""
+        t0, kept = time.perf_counter(), [h for h in self.layers.values() if h.large is not None]
+        done = sum(h.large.lay_out(h.tensors, torch.device(self.device)) for h in kept)
+        if kept:
+            torch.cuda.empty_cache()  # the layers' transient copies: not the memory profile's to keep
+        return done, time.perf_counter() - t0
 
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A large step's remote experts, computed by the main stage from the region. On CUDA they are copied in for

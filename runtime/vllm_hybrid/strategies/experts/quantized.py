@@ -155,12 +155,16 @@ DEQUANTIZED = ("w4a16",)  # GPTQ's (and compressed-tensors') layout; AutoAWQ's p
 
 
 class Marlin:
-    """A kept W4A16 layer's remote experts over a large step on CUDA, as vLLM computes the layer's own: the staged
-    stacks repacked by the quant method's preparation (convert_to_wna16_moe_kernel_format, what the method's
+    """A kept W4A16 layer's remote experts over a large step on CUDA, as vLLM computes the layer's own: the stacks
+    repacked by the quant method's preparation (convert_to_wna16_moe_kernel_format, what the method's
     process_weights_after_loading runs; Marlin's tile padding included), then fused_marlin_moe under an expert map
-    (global id -> index in the stacks, -1: the main stage's own experts, which its kernel computes). On an H200, a
-    1k-token step of a 235B layer's 54 remote experts: 10.9 ms, against 24.8 for the per-expert torch path's ~20
-    launches an expert (tests/gpu/test_gpu_experts_marlin.py) and about 10 for the layer's copy."""
+    (global id -> index in the stacks, -1: the main stage's own experts, which its kernel computes). lay_out() writes
+    the repacked stacks over the region's once, where they keep their size: a step then copies them in and computes
+    (else every step repacks its staged copy: about 6 ms of a 235B layer's 1k-token step on an H200). On an H200, a
+    1k-token step of a 235B layer's 54 remote experts: 10.9 ms with the repack, against 24.8 for the per-expert torch
+    path's ~20 launches an expert (tests/gpu/test_gpu_experts_marlin.py) and about 10 for the layer's copy."""
+
+    ROLES = ("w13", "w2", "w13_scale", "w2_scale")  # the order convert_to_wna16_moe_kernel_format returns them in
 
     def __init__(self, layer, quant_args, remote: list[int], num_experts: int):
         # layer: the RoutedExperts module (its intermediate size: Marlin's padding); quant_args: the method's
@@ -169,28 +173,56 @@ class Marlin:
         emap = torch.full((num_experts,), -1, dtype=torch.int32)
         emap[remote] = torch.arange(len(remote), dtype=torch.int32)
         self.expert_map, self.workspace = emap, None
+        self.laid_out: dict[str, torch.Size] | None = None  # the Marlin shapes the region's stacks hold, once written
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    def repack(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stacks as the loader wrote them (on CUDA) -> Marlin's, by role."""
         from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (
             WNA16MoEBackend,
             convert_to_wna16_moe_kernel_format,
         )
+        t = tensors["w13"]
+        no_order = torch.empty((t.shape[0], 0), dtype=torch.int32, device=t.device)  # act-order refused
+        out = convert_to_wna16_moe_kernel_format(
+            WNA16MoEBackend.MARLIN, self.layer, self.quant_args, None, tensors["w13"], tensors["w2"],
+            tensors["w13_scale"], tensors["w2_scale"], no_order, no_order)
+        return dict(zip(self.ROLES, out[:4]))
+
+    def lay_out(self, region: dict[str, torch.Tensor], device: torch.device) -> bool:
+        """Write Marlin's layout over the region's stacks, once the CPU pod has prepared its own copy from them (it
+        reads them no more). False, the region unchanged, where the layout would not fit in place (Marlin's tile
+        padding of the intermediate size): those steps repack their copy."""
+        if set(region) != set(self.ROLES):
+            return False
+        marlin = self.repack({role: t.to(device) for role, t in region.items()})
+        if any(m.dtype != region[r].dtype or m.numel() != region[r].numel() for r, m in marlin.items()):
+            return False
+        for role, m in marlin.items():
+            region[role].view(-1).copy_(m.reshape(-1))
+        torch.cuda.synchronize(device)  # the region's pages hold the new layout before the first step reads them
+        self.laid_out = {role: m.shape for role, m in marlin.items()}
+        return True
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
         from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
         from vllm.scalar_type import scalar_types
 
         if self.expert_map.device != x.device:
             self.expert_map = self.expert_map.to(x.device)
             self.workspace = marlin_make_workspace_new(x.device, 4)
-        no_order = torch.empty((tensors["w13"].shape[0], 0), dtype=torch.int32, device=x.device)  # act-order refused
-        w13, w2, s13, s2, g13, g2, sort13, sort2, *_ = convert_to_wna16_moe_kernel_format(
-            WNA16MoEBackend.MARLIN, self.layer, self.quant_args, None, tensors["w13"], tensors["w2"],
-            tensors["w13_scale"], tensors["w2_scale"], no_order, no_order)
-        return fused_marlin_moe(x.contiguous(), w13, w2, None, None, s13, s2, weights.float(), ids,
+        if self.laid_out is not None:  # the staged copy of lay_out's bytes: views in Marlin's shapes
+            m = {role: tensors[role].view(shape) for role, shape in self.laid_out.items()}
+        else:
+            m = self.repack(tensors)
+        no_order = torch.empty((m["w13"].shape[0], 0), dtype=torch.int32, device=x.device)
+        return fused_marlin_moe(x.contiguous(), m["w13"], m["w2"], None, None, m["w13_scale"], m["w2_scale"],
+                                weights.float(), ids,
                                 scalar_types.uint4b8.id,  # symmetric int4, stored + 8 (the plan refuses zero points)
-                                global_num_experts=self.num_experts, expert_map=self.expert_map, g_idx1=g13, g_idx2=g2,
-                                sort_indices1=sort13, sort_indices2=sort2, workspace=self.workspace, is_k_full=True)
+                                global_num_experts=self.num_experts, expert_map=self.expert_map, g_idx1=no_order,
+                                g_idx2=no_order, sort_indices1=no_order, sort_indices2=no_order,
+                                workspace=self.workspace, is_k_full=True)
 
 
 def dequantize_w4a16(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
