@@ -224,8 +224,12 @@ class Client(RegionClient):
         self.side: CpuSide | GpuSide | None = None
         self.dtype = self.top_k = self.hidden = None
         self.counts = RoutingCounts(None)
-        # large steps on CUDA: the next layer's remote experts copied in on a side stream while this one computes
+        # large steps on CUDA: the next layer's remote experts copied in on a side stream while this one computes,
+        # into two fixed slots taken in turn (a fresh buffer a layer let torch's allocator hold one for every layer
+        # the launches ran ahead of the GPU: an H200 lease's 235B main stage read 100 GB with an 80 GiB budget)
         self.copy_stream = None
+        self.slots: list[list[torch.Tensor]] = []  # per slot, a byte buffer per stack, as large as the largest layer's
+        self.next_slot = 0
         self.staged: tuple[int, list[torch.Tensor], object] | None = None
 
     def open_weights(self, nbytes: int, page_lock: bool | None = None) -> str:
@@ -319,7 +323,7 @@ class Client(RegionClient):
             torch.cuda.current_stream().wait_event(staged[2])
             stacks = staged[1]
         else:  # the step's first layer (or a step cut short): copied now, on this stream
-            stacks = held.copy_to(x.device)
+            stacks = [dst.copy_(src, non_blocking=True) for dst, src in zip(self.slot(layer, x.device), held.stacks)]
         following = min((n for n in self.layers if n > layer), default=None)
         if following is not None:
             self.staged = self.prefetch(following, x.device)
@@ -327,16 +331,25 @@ class Client(RegionClient):
             return held.large(x, ids, weights, dict(zip(held.tensors, stacks)))
         return compute(x, ids, weights, held.unpacked(stacks), held.ids)
 
+    def slot(self, layer: int, device: torch.device) -> list[torch.Tensor]:
+        """The next staging slot, as views shaped like layer's stacks (the slots are made at the first large step:
+        vLLM's memory profile counts them)."""
+        if not self.slots:
+            stacks = [h.stacks for h in self.layers.values()]
+            sizes = [max(s[i].nbytes for s in stacks if i < len(s)) for i in range(max(map(len, stacks)))]
+            self.slots = [[torch.empty(n, dtype=torch.uint8, device=device) for n in sizes] for _ in range(2)]
+        buffers, self.next_slot = self.slots[self.next_slot], 1 - self.next_slot
+        return [b[:s.nbytes].view(s.dtype).view(s.shape) for b, s in zip(buffers, self.layers[layer].stacks)]
+
     def prefetch(self, layer: int, device: torch.device) -> tuple[int, list[torch.Tensor], object]:
         """Start copying layer's remote experts in on the side stream: (layer, the copies, their event)."""
         main = torch.cuda.current_stream()
         self.copy_stream = self.copy_stream or torch.cuda.Stream()
-        stacks = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.layers[layer].stacks]
-        self.copy_stream.wait_stream(main)  # their memory is free on the main stream by now
+        stacks = self.slot(layer, device)
+        self.copy_stream.wait_stream(main)  # the slot's last reader, two layers back, is queued there by now
         with torch.cuda.stream(self.copy_stream):
             for dst, src in zip(stacks, self.layers[layer].stacks):
                 dst.copy_(src, non_blocking=True)
-                dst.record_stream(self.copy_stream)  # freed unused (a step cut short): not reused mid-copy
             done = torch.cuda.Event()
             done.record()
         return layer, stacks, done
