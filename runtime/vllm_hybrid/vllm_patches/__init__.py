@@ -26,7 +26,7 @@ from .distributed import (
     patch_pp_send_via_host,
     patch_response_queue_locality,
 )
-from .loading import patch_dummy_weights_once, patch_loading_keeps_host_storage
+from .loading import patch_dummy_weights_once, patch_loading_keeps_host_storage, patch_prefetch_empty_params
 from .process import die_with_parent, journal_shm_names
 from .worker import (
     patch_batches_in_flight,
@@ -58,7 +58,8 @@ def apply_all() -> list[str]:
              patch_pad_received_activations(gpu_model_runner)]
     if not current_platform.is_cpu():
         from vllm.model_executor.model_loader import utils as loader_utils
-        done.append(patch_loading_keeps_host_storage(loader_utils))
+        from vllm.model_executor.offloader import prefetch
+        done += [patch_loading_keeps_host_storage(loader_utils), patch_prefetch_empty_params(prefetch)]
     if os.environ.get("HYBRID_EXPECT_OFFLOADER"):
         done.append(patch_check_offloader(gpu_worker))
     if current_platform.is_cpu():

@@ -88,3 +88,23 @@ def patch_loading_keeps_host_storage(loader_utils) -> str | None:
 
     loader_utils.device_loading_context = device_loading_context
     return "device_loading_context(processed CPU weights back into their own host storage)"
+
+
+def patch_prefetch_empty_params(prefetch) -> str | None:
+    # vllm.model_executor.offloader.prefetch._ModuleOffloader.start_onload_to_static asserts that each streamed
+    # parameter's host copy is pinned, and a zero-element one cannot be (torch pins no allocation): a W4A16 MoE's g_idx
+    # without act-order. An H200 lease's Qwen3-235B W4A16 under strategy offload stopped at start on
+    # `w13_weight_g_idx is not pinned`. Once its (empty) GPU buffer is assigned such a parameter has nothing to copy:
+    # its offloader is dropped there, as upstream's open fix skips it (vllm-project/vllm#47380).
+    cls = prefetch._ModuleOffloader
+    original = cls.assign_buffer_slot
+
+    @functools.wraps(original)
+    def assign_buffer_slot(self, pool, slot_idx):
+        original(self, pool, slot_idx)
+        for name in [n for n, o in self._param_offloaders.items()
+                     if getattr(o, "_cpu_storage", None) is not None and o._cpu_storage.numel() == 0]:
+            del self._param_offloaders[name]
+
+    cls.assign_buffer_slot = assign_buffer_slot
+    return "_ModuleOffloader.assign_buffer_slot(empty parameters: nothing to stream)"

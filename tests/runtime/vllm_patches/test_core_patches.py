@@ -214,3 +214,24 @@ def test_cpu_stages_repack_gptq_experts_with_int4_layout_and_awq_with_vllms_op(m
     theirs = patched(*awq, quant_algo=cpu_moe.CPUQuantAlgo.AWQ, **awq_zeros)
     assert calls == ["int4_layout"]  # not called again
     assert all(torch.equal(a, b) for a, b in zip(theirs, upstream(*awq, cpu_moe.CPUQuantAlgo.AWQ, **awq_zeros)))
+
+
+def test_the_prefetch_offloader_streams_no_empty_parameter(monkeypatch):
+    """vLLM's prefetch offloader (real classes, CPU buffers standing in for the GPU's) with a W4A16 MoE layer's empty
+    g_idx beside its packed weight: once the layer's buffers are assigned, only the weight is left to stream (upstream
+    asserts every streamed host copy is pinned, and an empty one never is: strategy offload's start failed there)."""
+    from vllm.model_executor.offloader import prefetch
+    monkeypatch.setattr(prefetch._ModuleOffloader, "assign_buffer_slot", prefetch._ModuleOffloader.assign_buffer_slot)
+    assert loading.patch_prefetch_empty_params(prefetch).startswith("_ModuleOffloader.assign_buffer_slot")
+    layer = torch.nn.Module()
+    layer.w13_weight_packed = torch.nn.Parameter(torch.ones(4, 8, 16, dtype=torch.int32), requires_grad=False)
+    layer.w13_weight_g_idx = torch.nn.Parameter(torch.empty(4, 0, dtype=torch.int32), requires_grad=False)
+    module = object.__new__(prefetch._ModuleOffloader)  # its __init__ makes a CUDA event
+    module._param_offloaders = {name: prefetch._CpuParamOffloader(layer, name)
+                                for name in ("w13_weight_packed", "w13_weight_g_idx")}
+    infos = [prefetch.ParamInfo(name=n, shape=tuple(o._cpu_storage.shape), stride=tuple(o._cpu_storage.stride()),
+                                dtype=o._cpu_storage.dtype) for n, o in module._param_offloaders.items()]
+    module.assign_buffer_slot(prefetch.StaticBufferPool(infos, 1, torch.device("cpu")), 0)
+    assert list(module._param_offloaders) == ["w13_weight_packed"]
+    assert layer.w13_weight_g_idx.shape == (4, 0)  # the layer keeps its (empty) buffer
+    assert layer.w13_weight_packed.data_ptr() == module._param_offloaders["w13_weight_packed"]._gpu_buffer.data_ptr()
