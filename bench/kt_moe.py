@@ -7,8 +7,13 @@ KTMoEWrapper: that one wants a weight_path, pinned (CUDA) buffers and a GPU stre
   FP8       AMXFP8_MOE (AVX2FP8_MOE if absent): e4m3 weights + fp32 128x128 block scale_inv, pre-quantized
   AMXINT8   AMXInt8_MOE: kt-kernel quantizes bf16 per output row (amax/127) at load ("online quant")
   AMXINT4   AMXInt4_MOE: same, int4 (amax/7 per row)
+  GPTQ_INT4 a W4A16 checkpoint's own int4 (symmetric, groups along K): per projection the int32 K/8 x N words vLLM's
+            loader leaves (8 values along K, stored + 8) and fp32 K/G x N scales, as kt-kernel's GPTQSafeTensorLoader
+            hands them over; AVXVNNI256GPTQInt4Packed_MOE (int4 resident), else the unpacked one, else AVX2's
+  RAWINT4   the same checkpoint as compressed-tensors stores it (N x K/2 bytes, bf16 N x K/G scales; its
+            CompressedSafeTensorLoader's layout): AMXInt4_KGroup_MOE, kt-kernel's pick for it
 Not driven: LLAMAFILE (MOE class, GGML blocks from memory) gave inf/nan for T=1 here (bf16 and Q8_0 blocks);
-RAWINT4/GPTQ_INT4/MXFP4/NVFP4/MXFP8/FP8_PERCHANNEL take checkpoint-specific pre-quantized layouts.
+MXFP4/NVFP4/MXFP8/FP8_PERCHANNEL take other checkpoints' layouts.
 The `amx` .so runs these on AMX tiles; the avx512_* builds carry AVX512 fallbacks of the same classes.
 Shapes (H, I) that load: BF16 multiples of 32, AMXINT8 of 64, AMXINT4 and FP8 of 128.
 Import: PYTHONPATH holding kt_kernel/ (its _cpu_detect.py + _kt_kernel_ext_*.so) and kt_kernel.libs/.
@@ -23,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-AVAILABLE_METHODS: tuple[str, ...] = ("BF16", "FP8", "AMXINT8", "AMXINT4")
+AVAILABLE_METHODS: tuple[str, ...] = ("BF16", "FP8", "AMXINT8", "AMXINT4", "GPTQ_INT4", "RAWINT4")
+CHECKPOINT_INT4 = ("GPTQ_INT4", "RAWINT4")  # computed from a W4A16 checkpoint's tensors, not from bf16
 FP8_BLOCK = 128  # kt-kernel's FP8 path takes DeepSeek-style 128x128 blocks only
 
 
@@ -125,12 +131,19 @@ class KtLayer:
                  **quant):
         """w13: E x 2I x H (gate rows then up rows, bf16), w2: E x H x I (bf16). FP8 takes pre-quantized weights:
         quant w13_fp8 (E x 2I x H e4m3), w13_scale_inv (E x 2I/128 x H/128 fp32), w2_fp8, w2_scale_inv; without
-        them it block-quantizes w13/w2 itself. quant numa_nodes=(0, 1) splits I over NUMA subpools as KTransformers."""
+        them it block-quantizes w13/w2 itself. GPTQ_INT4 and RAWINT4 take a W4A16 checkpoint's tensors instead, as
+        vLLM's loader leaves them (quantized.quantize's "w4a16"): w13 int32 E x H/8 x 2I, w2 int32 E x I/8 x H, quant
+        w13_scale E x H/G x 2I and w2_scale E x I/G x H. quant numa_nodes=(0, 1) splits I over NUMA subpools as
+        KTransformers."""
         if method not in AVAILABLE_METHODS:
             raise ValueError(f"{method}: not one of {AVAILABLE_METHODS}")
-        e, i2, h = w13.shape
-        inter = i2 // 2
-        assert w2.shape == (e, h, inter), (w13.shape, w2.shape)
+        if method in CHECKPOINT_INT4:
+            e, h, inter = w13.shape[0], w2.shape[2], w13.shape[2] // 2
+            assert w13.shape == (e, h // 8, 2 * inter) and w2.shape == (e, inter // 8, h), (w13.shape, w2.shape)
+        else:
+            e, i2, h = w13.shape
+            inter = i2 // 2
+            assert w2.shape == (e, h, inter), (w13.shape, w2.shape)
         self.method, self.top_k, self.hidden, self.max_tokens = method, top_k, h, max_tokens
         self.cpu_infer = cpu_infer(threads, tuple(quant.pop("numa_nodes", (0,))))
         moe = _ext.moe
@@ -168,6 +181,28 @@ class KtLayer:
             cfg.down_scales = [[s2[x].data_ptr() for x in range(e)]]
             cfg.quant_config.bits, cfg.quant_config.group_size, cfg.quant_config.zero_point = 8, b, False
             kind = getattr(moe, "AMXFP8_MOE", None) or moe.AVX2FP8_MOE
+        elif method in CHECKPOINT_INT4:
+            s13, s2 = quant["w13_scale"], quant["w2_scale"]
+            group = h // s13.shape[1]
+            assert s13.shape == (e, h // group, 2 * inter) and s2.shape == (e, inter // group, h), (s13.shape, s2.shape)
+
+            def proj(q, scale):  # one projection's E x K/8 x N words and E x K/G x N scales, in the method's layout
+                if method == "GPTQ_INT4":
+                    return q.contiguous(), scale.float().contiguous()
+                # compressed-tensors' own: a word's 8 values stay along K, so transposing the words keeps them
+                return q.transpose(1, 2).contiguous().view(torch.uint8), scale.transpose(1, 2).bfloat16().contiguous()
+            (gq, gs), (uq, us), (dq, ds) = (proj(w13[:, :, :inter], s13[:, :, :inter]),
+                                            proj(w13[:, :, inter:], s13[:, :, inter:]), proj(w2, s2))
+            keep += [gq, gs, uq, us, dq, ds]
+            cfg.gate_projs, cfg.up_projs, cfg.down_projs = ([[t[x].data_ptr() for x in range(e)]] for t in (gq, uq, dq))
+            cfg.gate_scales, cfg.up_scales, cfg.down_scales = ([[t[x].data_ptr() for x in range(e)]] for t in (gs, us, ds))
+            cfg.quant_config.bits, cfg.quant_config.group_size, cfg.quant_config.zero_point = 4, group, False
+            # kt-kernel's own order (utils/amx.py _select_*_backend), and its override: KT_<METHOD>_BACKEND
+            names = ({"packed": "AVXVNNI256GPTQInt4Packed_MOE", "avxvnni": "AVXVNNI256GPTQInt4_MOE",
+                      "avx2": "AVX2GPTQInt4_MOE"} if method == "GPTQ_INT4" else
+                     {"amx": "AMXInt4_KGroup_MOE", "avxvnni": "AVXVNNI256RawInt4_MOE", "avx2": "AVX2RawInt4_MOE"})
+            forced = os.environ.get(f"KT_{method}_BACKEND", "").lower()
+            kind = next(getattr(moe, n) for key, n in names.items() if hasattr(moe, n) and forced in ("", key))
         else:  # AMXINT8 / AMXINT4: stacked E x I x H gate, up and E x H x I down, quantized by kt-kernel at load
             gate, up = w13[:, :inter].to(torch.bfloat16).contiguous(), w13[:, inter:].to(torch.bfloat16).contiguous()
             down = w2.to(torch.bfloat16).contiguous()
