@@ -502,3 +502,19 @@ def test_experts_cost_reads_the_routed_cpu_experts_and_streams_them_for_large_st
     assert steps[4] < 4 * steps[1] and steps[64] < 8 * steps[1]  # but each expert is read once, whatever its tokens
     # above max_rows the step streams the cpu experts to the gpu, as the prefetch offloader would
     assert steps[65] == prefetch_cost(lay.offload_bytes[0], Workload(65, 512, 256), plan, hw).step_s
+
+
+def test_large_steps_stage_into_two_slots_sized_for_the_largest_layer():
+    """The staging slots a large step copies layers' remote experts into (on CUDA; tests/gpu/test_gpu_experts_staging.py
+    shows the memory they save there): two, taken in turn, each as large as the largest layer's stacks, handed out as
+    views shaped like the layer's own, so a layer with fewer remote experts reuses them."""
+    from vllm_hybrid.strategies.experts.client import Client, Held
+    client = Client({0: [1, 2, 3], 1: [4, 5]})
+    for layer, ids in client.remote.items():
+        stacks = (torch.zeros(len(ids), 2 * INTER, H, dtype=torch.bfloat16), torch.zeros(len(ids), H, INTER, dtype=torch.bfloat16))
+        client.layers[layer] = Held(ids, stacks)
+    first, second, third = (client.slot(layer, torch.device("cpu")) for layer in (0, 1, 0))
+    assert len(client.slots) == 2 and [b.numel() for b in client.slots[0]] == [s.nbytes for s in client.layers[0].stacks]
+    assert [v.shape for v in second] == [s.shape for s in client.layers[1].stacks]
+    assert [v.dtype for v in first] == [torch.bfloat16] * 2
+    assert first[0].data_ptr() == third[0].data_ptr() != second[0].data_ptr()  # taken in turn
