@@ -105,7 +105,16 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
             candidates.append(name)
         elif plan.strategy == name:
             raise PlanError(f"strategy: {name} needs {why}")
-    lays = {name: get(name).layout(plan, split) for name in candidates}
+    lays, unfit = {}, {}
+    for name in candidates:
+        try:
+            lays[name] = get(name).layout(plan, split)
+        except PlanError as e:  # one that does not fit this box: a candidate less, an error only where it was asked for
+            if plan.strategy == name:
+                raise
+            unfit[name] = str(e)
+    if not lays:
+        raise PlanError("strategy: auto: no strategy fits: " + "; ".join(unfit.values()))
     if api_stage is not None:
         lays = {name: lay for name, lay in lays.items() if lay.stages[0] == api_stage}
         if plan.strategy not in ("auto", *lays):

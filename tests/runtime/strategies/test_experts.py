@@ -455,6 +455,23 @@ def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_h
     assert get("experts").server(plan, lay, ident, base) is None
 
 
+@pytest.mark.parametrize("strategy,runs", [("pipeline", "pipeline"), ("auto", None), ("experts", "refused")])
+def test_a_strategy_that_does_not_fit_the_gpu_refuses_only_where_it_is_asked_for(strategy, runs):
+    """The Mixtral shape in bf16 on a 24 GiB GPU: experts' every layer, an expert a layer and the staging of a
+    layer's remote experts do not fit. A plan asking for experts is refused with that; one asking for pipeline, or
+    auto, is planned without it (experts' refusal had failed every strategy's plan: pipeline's said experts did
+    not fit)."""
+    from vllm_hybrid.strategies import resolve_split
+    plan, shape = mixtral_plan(stages=({**MIXTRAL_GPU, "memory": "24Gi"}, MIXTRAL_CPU), strategy=strategy)
+    if runs == "refused":
+        with pytest.raises(PlanError, match=r"strategy experts does not fit: every layer's attention"):
+            resolve_split(plan, shape)
+        return
+    _, lay, estimates = resolve_split(plan, shape)
+    assert "experts" not in estimates and "pipeline" in estimates
+    assert lay.strategy == (runs or max(estimates, key=estimates.get))
+
+
 def test_experts_refuses_dense_models_and_plans_it_cannot_serve():
     plan, split = planned([GPU, CPU], strategy="experts")  # Llama: no routed experts
     with pytest.raises(PlanError, match=r"strategy: experts needs a mixture-of-experts model \(LlamaForCausalLM"):
