@@ -426,10 +426,10 @@ def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_h
     assert (lay.strategy, lay.stages, lay.layers, lay.servers) == ("experts", (0,), (32,), ((1, 0),))
     assert lay.offload_bytes[0] == remote * one and est["experts"] > 0
     # the gpu: every layer's attention, norms and router, both ends, KV for the workload (at least one
-    # 8192-token sequence), room to copy a layer's remote experts in and unpack them while the next one's comes in
-    # (large steps), and as many experts as fit; the rest on the cpu stage
+    # 8192-token sequence), room to copy a layer's remote experts in while the next one's comes in and unpack them
+    # an expert at a time (large steps), and as many experts as fit; the rest on the cpu stage
     kv = 32 * max(8192, concurrency * (512 + 256)) * shape.kv_bytes_per_token_per_layer
-    staging = (3 * -(-remote // 32) + 1) * one  # three times a layer's remote experts, rounded up, and one more
+    staging = (2 * -(-remote // 32) + 1) * one  # two layers' remote experts, rounded up, and one more
     room = stage_budget(plan.stages[0], None) - 32 * (shape.layer_bytes - shape.layer_expert_bytes) \
         - 2 * shape.embedding_bytes - kv - staging
     assert (32 * 8 - remote) * one <= room < (32 * 8 - remote + 2) * one
@@ -457,12 +457,12 @@ def test_experts_runs_every_layer_on_the_gpu_and_as_many_experts_as_its_budget_h
 
 @pytest.mark.parametrize("strategy,runs", [("pipeline", "pipeline"), ("auto", None), ("experts", "refused")])
 def test_a_strategy_that_does_not_fit_the_gpu_refuses_only_where_it_is_asked_for(strategy, runs):
-    """The Mixtral shape in bf16 on a 24 GiB GPU: experts' every layer, an expert a layer and the staging of a
+    """The Mixtral shape in bf16 on a 16 GiB GPU: experts' every layer, an expert a layer and the staging of a
     layer's remote experts do not fit. A plan asking for experts is refused with that; one asking for pipeline, or
     auto, is planned without it (experts' refusal had failed every strategy's plan: pipeline's said experts did
     not fit)."""
     from vllm_hybrid.strategies import resolve_split
-    plan, shape = mixtral_plan(stages=({**MIXTRAL_GPU, "memory": "24Gi"}, MIXTRAL_CPU), strategy=strategy)
+    plan, shape = mixtral_plan(stages=({**MIXTRAL_GPU, "memory": "16Gi"}, MIXTRAL_CPU), strategy=strategy)
     if runs == "refused":
         with pytest.raises(PlanError, match=r"strategy experts does not fit: every layer's attention"):
             resolve_split(plan, shape)

@@ -182,13 +182,14 @@ def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     fixed = (total * (shape.layer_bytes - shape.layer_expert_bytes) + 2 * shape.embedding_bytes
              + total * kv_tokens * shape.kv_bytes_per_token_per_layer)
     fit = max(0, sp.budget_bytes - fixed) // expert_bytes(shape)
-    # steps above max_rows copy a layer's remote experts to the gpu and unpack them there (the server packs them for
-    # its kernel) while the next layer's copy comes in: three times a layer's (vLLM's memory profile sees them; with
-    # room for one copy only, Qwen2-57B-A14B's 27 a layer left 0.08 of the 0.44 GiB of KV one sequence needs on an
-    # 80 GB H100)
+    # steps above max_rows copy a layer's remote experts to the gpu (two slots: the next layer's comes in while this
+    # one computes) and unpack them there one expert at a time (the server packs them for its kernel): two layers'
+    # and an expert (vLLM's memory profile sees them; with room for one copy only, Qwen2-57B-A14B's 27 a layer left
+    # 0.08 of the 0.44 GiB of KV one sequence needs on an 80 GB H100)
     layer_remote = -(-(total * per_layer - min(fit, total * per_layer)) // total)  # a layer's, rounded up
-    staging = 3 * layer_remote + 1
+    staging = 2 * layer_remote + 1
     if quantized_experts(shape):  # large steps go to the CPU pod (nothing staged here), or copy the kept stacks in
+        # (Marlin's layout written at load: as bf16's; else each step repacks a layer's copy: a third)
         staging = 0 if not kept_format(shape) else (2 if marlin_in_place(shape) else 3) * layer_remote + 1
     fit = max(0, sp.budget_bytes - fixed - staging * expert_bytes(shape)) // expert_bytes(shape)
     if fit < total:

@@ -153,11 +153,25 @@ class Held:
         """The stacks copied to `device` on the current stream (the region is page-locked where it is CUDA)."""
         return [s.to(device, non_blocking=True) for s in self.stacks]
 
-    def unpacked(self, stacks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def unpacked(self, stacks: Sequence[torch.Tensor]) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
         """(w13, w2) per expert of the stacks' copies: unpacked if the server packed them, dequantized if quantized."""
         if self.fmt is not None:
             return quantized.Dequantized(self.fmt, dict(zip(self.tensors, stacks)), self.dtype)
-        return list(zip(*(unpack(s, self.packed) if self.packed else s for s in stacks)))
+        return Unpacked(stacks, self.packed) if self.packed else list(zip(*stacks))
+
+
+class Unpacked:
+    """A layer's packed stacks as (w13, w2) per expert, each unpacked when kernels.compute reads it: one expert's copy
+    at a time, not the layer's (the planner stages two layers' stacks and one expert on the GPU)."""
+
+    def __init__(self, stacks: Sequence[torch.Tensor], kernel: str):
+        self.stacks, self.kernel = stacks, kernel
+
+    def __len__(self) -> int:
+        return self.stacks[0].shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(unpack(s[i], self.kernel) for s in self.stacks)
 
 
 class RoutingCounts:
