@@ -18,9 +18,9 @@ NUMA_ROOT = "/sys/devices/system/node"
 # 4 KiB otherwise. On an H200 box the expert server's kernel took 1.58 ms a 4-token layer step over all 94 layers of
 # the 235B's pod with them (bench/experts_serving.py), 2.26 in the served pod on 4 KiB pages an hour before on
 # another box. Unsettled: on one box, bench/page_size.py's private placement (bf16 F.linear over 48 GB of torch's
-# own memory) read 41-46 GB/s with it against 53-69 without (two runs each, both orders), while the served pod there,
-# with it, read faster than the last lease's without (1.95 against 2.26 ms, another box). A served A/B on one box
-# decides it: THP_MEM_ALLOC_ENABLE=0 in the bench's env overrides this default
+# own memory) read 41-50 GB/s with it against 53-89 without (three runs each, both orders), while the served pod there,
+# with it, ran its kernel faster than the last lease's without (1.95 against 2.26 ms, another box). A served A/B on
+# one box decides it: THP_MEM_ALLOC_ENABLE=0 in the bench's env overrides this default
 THP_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
