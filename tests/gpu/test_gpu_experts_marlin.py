@@ -2,16 +2,10 @@
 path (quantized.Dequantized through kernels.compute), on random int4 stacks of a Qwen3-235B-A22B layer's shape (54 of
 128 experts remote, as an 80 GiB budget leaves them; a 1k-token prompt, top-8), repacked at each step and laid out once over a page-locked host copy (Marlin.lay_out). All run in vLLM's
 CUDA build (HYBRID_GPU_PYTHONPATH), in a child process; its figures (error, ms a layer each) go to gpu_results.json."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from gpu_results import record, run_child
 
 pytestmark = pytest.mark.gpu
-OUT = Path(os.environ.get("HYBRID_GPU_OUT", "/tmp/hybrid-gpu"))
 
 CHILD = r"""
 import json, sys, time, types
@@ -62,18 +56,9 @@ print(json.dumps({"rel_error": rel(got), "rel_error_laid_out": rel(got_laid), "i
 
 
 def test_marlin_large_steps_equal_the_per_expert_torch_path():
-    path = os.environ.get("HYBRID_GPU_PYTHONPATH")
-    if not path:
-        pytest.fail("set HYBRID_GPU_PYTHONPATH (see tests/gpu/README.md)")
     shape = ("4096", "1536", "128", "54", "1024", "8")  # Qwen3-235B-A22B's MoE layer; 54 remote: 5125 / 94 rounded up
-    run = subprocess.run([sys.executable, "-c", CHILD, *shape], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": path, "VLLM_USE_FLASHINFER_SAMPLER": "0"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
-    OUT.mkdir(parents=True, exist_ok=True)
-    results = OUT / "gpu_results.json"
-    old = json.loads(results.read_text()) if results.exists() else {}
-    results.write_text(json.dumps({**old, "experts_marlin_large_step": figures}, indent=1))
+    figures = run_child(CHILD, shape, VLLM_USE_FLASHINFER_SAMPLER="0")
+    record({"experts_marlin_large_step": figures})
     assert figures["ref_norm"] > 0
     # both compute bf16 activations on the same int4 weights; they differ by bf16 rounding and summation order only
     assert figures["rel_error"] < 0.02, figures

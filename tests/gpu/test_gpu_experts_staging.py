@@ -3,16 +3,10 @@ however far the launches run ahead of it. The GPU is held asleep while a step of
 prompt's launches outrun the copies), each layer's result is compared with the same computation on that layer's own
 weights (a slot rewritten too early gives another layer's), and the step's peak of torch's reserved memory is read. torch only
 (no vLLM): the layers' large-step kernel is a stand-in with no host sync, as vLLM's Marlin MoE has none."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from gpu_results import record, run_child
 
 pytestmark = pytest.mark.gpu
-OUT = Path(os.environ.get("HYBRID_GPU_OUT", "/tmp/hybrid-gpu"))
 
 CHILD = r"""
 import json, sys
@@ -49,18 +43,9 @@ print(json.dumps(results))
 
 
 def test_a_large_step_stages_two_layers_however_far_its_launches_run_ahead():
-    path = os.environ.get("HYBRID_GPU_PYTHONPATH")
-    if not path:
-        pytest.fail("set HYBRID_GPU_PYTHONPATH (see tests/gpu/README.md)")
     shape = ("12", "16", "2048", "1024", "256")  # layers, remote experts a layer, hidden, intermediate, tokens
-    run = subprocess.run([sys.executable, "-c", CHILD, *shape], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": path})
-    assert run.returncode == 0, run.stderr[-3000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
-    OUT.mkdir(parents=True, exist_ok=True)
-    results = OUT / "gpu_results.json"
-    old = json.loads(results.read_text()) if results.exists() else {}
-    results.write_text(json.dumps({**old, "experts_staging": figures}, indent=1))
+    figures = run_child(CHILD, shape)
+    record({"experts_staging": figures})
     assert figures["layers_equal"] == figures["layers"], figures
     # torch's reserved memory (what the device gives up): two slots of a layer's stacks at the first step, then nothing
     # more (the stand-in kernel's few MB). A buffer a layer (each held until its copy stream's later work ran) read

@@ -4,7 +4,6 @@ Needs HYBRID_GPU_PYTHONPATH (vLLM CUDA build) and HYBRID_CPU_PYTHONPATH (vllm-cp
 results go to $HYBRID_GPU_OUT/gpu_results.json.
 """
 import functools
-import json
 import os
 import sys
 import time
@@ -25,11 +24,11 @@ from vllm_hybrid.tinymodel import (
 )
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
+from gpu_results import OUT, record  # noqa: E402
 from pipelines import MAX_TOKENS, PROMPTS, drift, reference, score  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 GPU_PATH, CPU_PATH = os.environ.get("HYBRID_GPU_PYTHONPATH"), os.environ.get("HYBRID_CPU_PYTHONPATH")
-OUT = Path(os.environ.get("HYBRID_GPU_OUT", "/tmp/hybrid-gpu"))
 RESULTS: dict = {}
 GPU_ENV = {"PYTHONPATH": GPU_PATH or "", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 CPU_ENV = {"PYTHONPATH": CPU_PATH or "", "HYBRID_SYSTEM_MEMORY_CHECK": "1"}
@@ -47,12 +46,9 @@ def results_file():
 
 @pytest.fixture(autouse=True)
 def results_after_each_test():
-    """Written after every test: a call cut at its time limit still brings back what ran. Merged into what the other
-    GPU test files wrote there (an H200 call lost the Marlin test's figures to this file's)."""
+    """Written after every test: a call cut at its time limit still brings back what ran."""
     yield
-    path = OUT / "gpu_results.json"
-    others = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**others, **RESULTS}, indent=1))
+    record(RESULTS)
 
 
 def stage(device, layers, **kw):
