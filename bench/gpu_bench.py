@@ -509,6 +509,7 @@ CONFIGS = {
     "p-experts": lambda m: run_planned(m, "experts"),  # the record caps CUDA graphs at its decode steps (64)
     "p-experts-sgl": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="sgl"),  # the server's packed kernels
     "p-experts-grouped": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="grouped"),
+    "p-experts-kt": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="kt"),  # W4A16 on kt-kernel
     "p-experts-passive": lambda m: run_planned(m, "experts", HYBRID_SERVER_WAIT="passive"),  # its threads asleep at once
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,

@@ -72,7 +72,7 @@ def bound_ms(r: dict, dram: float) -> float:
 
 
 PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-experts-sgl", "p-experts-grouped",
-           "p-experts-passive", "p-auto", "p-prefetch-plain")
+           "p-experts-kt", "p-experts-passive", "p-auto", "p-prefetch-plain")
 
 
 def planned_table(r: dict) -> str:

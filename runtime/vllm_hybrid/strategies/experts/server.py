@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ...cpupod import hostmem
+from ...cpupod import hostmem, kt
 from ...cpupod.packed import vllm_cpu_ops
 from ...cpupod.server import (
     Counters,
@@ -27,8 +27,11 @@ from .kernels import (
     LayerExperts,
     Served,
     kernel_choice,
+    kt_layer,
+    kt_runs,
     layer_experts,
     measure_kernels,
+    measure_quantized,
     measured_words,
     quantized_layer,
 )
@@ -82,34 +85,42 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
                  time.perf_counter() - t0)
         figures |= {f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
                     for rows, v in zip((1, BATCH_ROWS), pair)}
+    layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
+    layers |= prepare_quantized(flat, quantized, choice, manifest["top_k"], manifest["max_rows"], manifest["hidden"],
+                                figures)
     from ... import stage_metrics  # on the stage's metrics (hybrid_stage_measured), as the coprocessor's
     stage_metrics.record_measured(figures, served.metrics if served else None)
-    layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
-    layers |= prepare_quantized(flat, quantized)
+    if layers and all(ly.kt_experts is not None for ly in layers.values()):
+        torch.set_num_threads(1)  # kt-kernel's workers compute every layer: kernels.kt_alone for the whole session
     kernels = sorted({ly.kernel_name for ly in layers.values()})
     layout = IoLayout(manifest["max_rows"], manifest["hidden"], manifest["top_k"], dtype.itemsize)
     packed = {str(layer): ly.kernel for layer, ly in layers.items() if ly.packed}  # the main stage unpacks them for large steps
     io = IoViews(io_region(conn, "hybrid-experts", layout.nbytes, {"packed": packed}), layout, dtype)
-    nbytes = sum(w.numel() * w.element_size() for ly in layers.values() for pair in ly.weights for w in pair)
-    nbytes += sum(ly.quant.expert_bytes * len(ly.ids) for ly in layers.values() if ly.quant is not None)
+    nbytes = sum(ly.nbytes for ly in layers.values())
     log.info("serving %d experts of %d layers (%.2f GB) on %d threads with %s (ready in %.1f s)",
              sum(len(ly.ids) for ly in layers.values()), len(layers), nbytes / 1e9, torch.get_num_threads(),
              ", ".join(kernels), time.perf_counter() - t0)
     return serve(layers, io, stop=lambda: closed(conn), served=served)
 
 
-def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, LayerExperts]:
+def prepare_quantized(flat: torch.Tensor, entries: list[dict], choice: str = "auto", top_k: int = 8,
+                      max_rows: int = 64, hidden: int = 0, figures: dict | None = None) -> dict[int, LayerExperts]:
     """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
     prepared for the kernel in this server's memory, a layer at a time on the thread team, each layer's region pages
     given back once it is (the copy is all that is read from now on) unless the main stage keeps them ("keep"). The
-    log shows the pace: a large pod's start is mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6
-    minutes for a 235B shape's 82.7 GB)."""
+    kernel: kt-kernel where `choice` is kt, or auto and it was timed faster than fused_experts_cpu on the largest layer
+    it computes (quantized_kernel), else fused_experts_cpu. The log shows the pace: a large pod's start is mostly
+    this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
     t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
+    use_kt = quantized_kernel(entries, stacks, choice, top_k, max_rows, hidden, figures) == "kt"
     sizes = [quantized.tensor_bytes(*s.values()) for s in stacks]
     total, step = sum(sizes), max(1, len(entries) // 10)
     for i, (m, s, size) in enumerate(zip(entries, stacks, sizes), 1):
-        layers[m["layer"]] = quantized_layer(m["ids"], quantized.prepare(m["format"], **s))
+        if use_kt and kt_runs(m["format"], s):
+            layers[m["layer"]] = kt_layer(m["ids"], m["format"], s, top_k, max_rows)
+        else:
+            layers[m["layer"]] = quantized_layer(m["ids"], quantized.prepare(m["format"], **s))
         # kept: the main stage copies them to its GPU for large steps (io.KEEP_ENV)
         freed = 0 if m.get("keep") else sum(hostmem.release(t) for t in s.values())
         log.debug("layer %d: %d %s experts prepared, %.1f MB of the region given back", m["layer"], len(m["ids"]),
@@ -117,10 +128,39 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict]) -> dict[int, Laye
         done += size
         if i % step == 0 or i == len(entries):
             took = time.perf_counter() - t0
-            log.info("prepared %d/%d quantized layers for the kernel on %d threads: %.2f of %.2f GB in %.1f s "
-                     "(%.2f GB/s)", i, len(entries), torch.get_num_threads(), done / 1e9, total / 1e9, took,
-                     done / 1e9 / took)
+            log.info("prepared %d/%d quantized layers for %s on %d threads: %.2f of %.2f GB in %.1f s (%.2f GB/s)",
+                     i, len(entries), layers[m["layer"]].kernel_name, torch.get_num_threads(), done / 1e9,
+                     total / 1e9, took, done / 1e9 / took)
     return layers
+
+
+def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]], choice: str, top_k: int,
+                     max_rows: int, hidden: int, figures: dict | None = None) -> str:
+    """kt or fused_experts_cpu for the quantized layers kt-kernel computes: HYBRID_EXPERTS_KERNEL=kt (refused by name
+    where it computes none of them), else timed on the largest such layer when auto (both copies of that one layer
+    made, then dropped), else fused_experts_cpu."""
+    able = [i for i, (m, s) in enumerate(zip(entries, stacks)) if kt_runs(m["format"], s)]
+    if choice == "kt":
+        if entries and not able:
+            raise ValueError(f"HYBRID_EXPERTS_KERNEL=kt: kt-kernel computes none of these layers (formats "
+                             f"{sorted({m['format'] for m in entries})}; kt-kernel {'found' if kt.kt_variant() else 'absent'}: "
+                             "it takes symmetric W4A16 checkpoints)")
+        return "kt"
+    if choice != "auto" or not able:
+        return "fused_experts_cpu"
+    t0 = time.perf_counter()
+    i = max(able, key=lambda i: len(entries[i]["ids"]))
+    m, s = entries[i], stacks[i]
+    candidates = {"fused_experts_cpu": quantized_layer(m["ids"], quantized.prepare(m["format"], **s)),
+                  "kt": kt_layer(m["ids"], m["format"], s, top_k, max_rows)}
+    pick, gbs = measure_quantized(candidates, hidden)
+    log.info("quantized kernels measured on layer %d's %d %s experts (GB/s at one token / %d on each expert): %s; "
+             "serving with %s (%.1f s)", m["layer"], len(m["ids"]), m["format"], BATCH_ROWS, measured_words(gbs),
+             candidates[pick].kernel_name, time.perf_counter() - t0)
+    if figures is not None:
+        figures |= {f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
+                    for rows, v in zip((1, BATCH_ROWS), pair)}
+    return pick
 
 
 def region_tensors(flat: torch.Tensor, entry: dict) -> dict[str, torch.Tensor]:
