@@ -164,6 +164,7 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
     timed = {}
 
     def measure(candidates, hidden, seconds=kernels.MEASURE_S):
+        assert hidden == H
         pick, gbs = real(candidates, hidden, 0.01)  # the real timing runs; the pick is the test's
         timed.update(layer=candidates["kt"].ids, gbs=gbs)
         return faster, gbs
@@ -173,7 +174,7 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
     try:
         flat, entries = region_with(layers, region)
         figures = {}
-        got = server.prepare_quantized(flat, entries, "auto", K, 8, H, figures)
+        got = server.prepare_quantized(flat, entries, "auto", K, 8, figures)
         assert timed["layer"] == [2, 3, 5] and set(timed["gbs"]) == {"kt", "fused_experts_cpu"}
         assert all(v > 0 for pair in timed["gbs"].values() for v in pair)
         assert set(figures) == {f"experts_kernel_gbs_{k}_rows_{r}" for k in ("kt", "fused_experts_cpu") for r in (1, 8)}
@@ -189,7 +190,7 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
     try:
         flat, entries = region_with({2: layers[2]}, region)
         with pytest.raises(ValueError, match="HYBRID_EXPERTS_KERNEL=kt: kt-kernel computes none of these layers"):
-            server.prepare_quantized(flat, entries, "kt", K, 8, H)
+            server.prepare_quantized(flat, entries, "kt", K, 8)
     finally:
         region.close()
 

@@ -86,8 +86,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
         figures |= {f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
                     for rows, v in zip((1, BATCH_ROWS), pair)}
     layers = {layer: layer_experts(flat, ids, weights, choice) for layer, (ids, weights) in per_layer.items()}
-    layers |= prepare_quantized(flat, quantized, choice, manifest["top_k"], manifest["max_rows"], manifest["hidden"],
-                                figures)
+    layers |= prepare_quantized(flat, quantized, choice, manifest["top_k"], manifest["max_rows"], figures)
     from ... import stage_metrics  # on the stage's metrics (hybrid_stage_measured), as the coprocessor's
     stage_metrics.record_measured(figures, served.metrics if served else None)
     if layers and all(ly.kt_experts is not None for ly in layers.values()):
@@ -104,7 +103,7 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
 
 
 def prepare_quantized(flat: torch.Tensor, entries: list[dict], choice: str = "auto", top_k: int = 8,
-                      max_rows: int = 64, hidden: int = 0, figures: dict | None = None) -> dict[int, LayerExperts]:
+                      max_rows: int = 64, figures: dict | None = None) -> dict[int, LayerExperts]:
     """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
     prepared for the kernel in this server's memory, a layer at a time on the thread team, each layer's region pages
     given back once it is (the copy is all that is read from now on) unless the main stage keeps them ("keep"). The
@@ -113,7 +112,7 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict], choice: str = "au
     this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
     t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
-    use_kt = quantized_kernel(entries, stacks, choice, top_k, max_rows, hidden, figures) == "kt"
+    use_kt = quantized_kernel(entries, stacks, choice, top_k, max_rows, figures) == "kt"
     sizes = [quantized.tensor_bytes(*s.values()) for s in stacks]
     total, step = sum(sizes), max(1, len(entries) // 10)
     for i, (m, s, size) in enumerate(zip(entries, stacks, sizes), 1):
@@ -135,7 +134,7 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict], choice: str = "au
 
 
 def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]], choice: str, top_k: int,
-                     max_rows: int, hidden: int, figures: dict | None = None) -> str:
+                     max_rows: int, figures: dict | None = None) -> str:
     """kt or fused_experts_cpu for the quantized layers kt-kernel computes: HYBRID_EXPERTS_KERNEL=kt (refused by name
     where it computes none of them), else timed on the largest such layer when auto (both copies of that one layer
     made, then dropped), else fused_experts_cpu."""
@@ -153,7 +152,7 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
     m, s = entries[i], stacks[i]
     candidates = {"fused_experts_cpu": quantized_layer(m["ids"], quantized.prepare(m["format"], **s)),
                   "kt": kt_layer(m["ids"], m["format"], s, top_k, max_rows)}
-    pick, gbs = measure_quantized(candidates, hidden)
+    pick, gbs = measure_quantized(candidates, s["w2"].shape[-1])  # W4A16's w2: E x I/8 x H
     log.info("quantized kernels measured on layer %d's %d %s experts (GB/s at one token / %d on each expert): %s; "
              "serving with %s (%.1f s)", m["layer"], len(m["ids"]), m["format"], BATCH_ROWS, measured_words(gbs),
              candidates[pick].kernel_name, time.perf_counter() - t0)
