@@ -60,6 +60,23 @@ def stacks_of(fmt, w13, w2, picked):
     return q13, q2, dict(w13=q13["w"], w2=q2["w"], w13_scale=q13["scale"], w2_scale=q2["scale"], **zeros)
 
 
+def dequantized(w13, w2, q13, q2, remote):
+    """All experts' weights for the reference: the remote ones as quantized and dequantized, the others zero."""
+    deq13, deq2 = torch.zeros_like(w13), torch.zeros_like(w2)
+    deq13[remote], deq2[remote] = q13["dequantized"], q2["dequantized"]
+    return deq13, deq2
+
+
+def remote_case(seed):
+    """7 tokens for remote experts [1, 4, 6]: both slots remote, one, and (the last) none."""
+    x = torch.randn(7, H).bfloat16()
+    ids, weights = routing(7, seed=seed)
+    ids[:5, 0] = 4
+    ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
+    ids[6] = torch.tensor([0, 2])  # only main-stage experts: its row is 0
+    return x, ids, weights
+
+
 @pytest.mark.parametrize("fmt", list(quantized.FORMATS))
 def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     w13, w2 = experts()
@@ -67,13 +84,7 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
     layer = kernels.quantized_layer(remote, quantized.prepare(fmt, **tensors))
     assert layer.kernel_name == f"fused_experts_cpu ({fmt})"
-    deq13, deq2 = torch.zeros_like(w13), torch.zeros_like(w2)
-    deq13[remote], deq2[remote] = q13["dequantized"], q2["dequantized"]
-    x = torch.randn(7, H).bfloat16()
-    ids, weights = routing(7, seed=1)
-    ids[:5, 0] = 4
-    ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
-    ids[6] = torch.tensor([0, 2])  # only main-stage experts: its row is 0
+    (deq13, deq2), (x, ids, weights) = dequantized(w13, w2, q13, q2, remote), remote_case(seed=1)
     served = kernels.Served()
     y = layer.compute(x, ids, weights, served)
     f = quantized.FORMATS[fmt]
@@ -111,13 +122,7 @@ def test_kt_kernel_computes_a_w4a16_checkpoints_own_int4_to_the_dequantized_refe
     layer = kernels.kt_layer(remote, "w4a16", tensors, top_k=K, max_rows=8)
     assert layer.kernel_name.startswith("kt-kernel GPTQ_INT4") and layer.quant is None
     assert layer.expert_bytes == 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128  # the checkpoint's bytes
-    deq13, deq2 = torch.zeros_like(w13), torch.zeros_like(w2)
-    deq13[remote], deq2[remote] = q13["dequantized"], q2["dequantized"]
-    x = torch.randn(7, H).bfloat16()
-    ids, weights = routing(7, seed=5)
-    ids[:5, 0] = 4
-    ids[:5, 1] = torch.tensor([1, 5, 6, 7, 0])
-    ids[6] = torch.tensor([0, 2])  # only main-stage experts: its row is 0
+    (deq13, deq2), (x, ids, weights) = dequantized(w13, w2, q13, q2, remote), remote_case(seed=5)
     want = dense(x, ids, weights, deq13, deq2, remote)
     served = kernels.Served()
     y = layer.compute(x, ids, weights, served)
@@ -284,15 +289,12 @@ def test_the_server_keeps_the_stacks_as_written_only_where_the_main_stage_copies
     _, _, tensors = stacks_of("w4a16", w13, w2, [0, 1, 2, 3])
     region = hostmem.allocate("hybrid-test-keep", 4 << 20, "shmem")
     try:
-        flat, offset, entry = torch.frombuffer(region.map, dtype=torch.uint8), 0, {}
-        for role, t in tensors.items():
-            flat[offset:offset + t.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-            entry[role] = [str(t.dtype).removeprefix("torch."), offset, *t.shape]
-            offset = hostmem.round_up(offset + t.nbytes, 4096)
-        layers = prepare_quantized(flat, [{"layer": 0, "ids": [0, 1, 2, 3], "format": "w4a16", "keep": keep,
-                                           "tensors": entry}], choice)
+        flat, entries = region_with({0: ([0, 1, 2, 3], "w4a16", tensors)}, region)
+        entries[0]["keep"] = keep
+        layers = prepare_quantized(flat, entries, choice)
         assert (layers[0].quant if choice == "sgl" else layers[0].kt_experts) is not None
-        kept = flat[:entry["w13"][1] + tensors["w13"].nbytes].view(torch.int32).view(tensors["w13"].shape)
+        w13_offset = entries[0]["tensors"]["w13"][1]
+        kept = flat[:w13_offset + tensors["w13"].nbytes].view(torch.int32).view(tensors["w13"].shape)
         assert torch.equal(kept, tensors["w13"]) == keep  # given back: read as zeros
     finally:
         region.close()
