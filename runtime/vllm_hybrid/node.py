@@ -3,7 +3,9 @@
 The first cpu stage of the plan measures, on its own cores, the DRAM read bandwidth and its CPU's product rate at
 one row (the memory-bound decode step, by the kernel the coprocessor's server would use: HYBRID_COPROC_KERNEL) and at 64 (compute, logged
 only: on the H100 box torch's GEMMs gave 1.2-1.4x the reference box's rate, where vLLM's CPU stage decodes at 0.45x
-of it, so `cpu_token_speed` stays fitted or given); the first gpu stage the host-to-GPU copy rate from page-locked
+of it, so `cpu_token_speed` stays fitted or given), and for a mixture of experts what a call of the MoE kernel costs
+on experts of the model's shape and format (strategies.experts.rates: a CPU stage's MoE layers and the experts
+server's calls are costed by it, not by a share of DRAM); the first gpu stage the host-to-GPU copy rate from page-locked
 memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
 torch threads and no CUDA context) and writes its part once, into the replica's shared /dev/shm; every stage waits
 for all parts and resolves `auto` from the same figures, so they agree. A stage restarted alone reads the parts
@@ -22,6 +24,7 @@ from dataclasses import replace
 from .plan import Plan, PlanError
 from .stage_metrics import NODE_FIGURES_ENV
 from .strategies.cost import Hardware
+from .strategies.experts.rates import SPEC_ENV
 
 FIGURES_ENV = NODE_FIGURES_ENV  # the merged figures, handed to vLLM's process for its metrics (JSON)
 WAIT_ENV = "HYBRID_NODE_WAIT"        # seconds a stage waits for its peers' parts (default 900: images still pulling)
@@ -42,15 +45,17 @@ def part_of(plan: Plan, stage: int) -> str | None:
     return {first.get(True): "cpu", first.get(False): "gpu"}.get(stage)
 
 
-def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str) -> str:
-    """Keyed by the stages as planned: a new spec (other cpus, devices) measures again."""
-    key = hashlib.sha256(json.dumps([s.__dict__ for s in plan.stages], sort_keys=True, default=str).encode())
+def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str, experts: str | None = None) -> str:
+    """Keyed by the stages as planned and the model's experts (rates.SPEC_ENV): a new spec (other cpus, devices, model)
+    measures again."""
+    key = hashlib.sha256(json.dumps([[s.__dict__ for s in plan.stages], experts], sort_keys=True, default=str).encode())
     return os.path.join(shm_dir, f".hybrid-{instance}-r{replica}-node-{key.hexdigest()[:12]}-{part}.json")
 
 
-def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
+def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None) -> dict[str, float]:
     """This process's threads: DRAM read GB/s, bf16 product GB/s of weights at 1 row, TFLOP/s per core at 64 rows,
-    timed as the coprocessor's server times its products."""
+    timed as the coprocessor's server times its products; and the MoE kernel's call cost for `experts`
+    (rates.SPEC_ENV), on at most `nbytes` of them."""
     import torch
 
     from .cpupod.server import measure_dram_read
@@ -63,8 +68,13 @@ def measure_cpu(nbytes: int = 1 << 30) -> dict[str, float]:
     gbs = rates[kernel][shape_key(n, k)]
     timed = {f"cpu_gemv_{name}_gbs": by[shape_key(n, k)][1] for name, by in rates.items()}
     # 64 rows: each weight byte pair (one bf16) takes 2 x 64 flops
+    del ws
+    moe = {}
+    if experts:
+        from .strategies.experts import rates
+        moe = rates.measure(experts, nbytes)
     return {**out, "cpu_gemv_gbs": gbs[1], **timed,
-            "cpu_tflops_per_core": round(gbs[64] * 64 / 1e3 / torch.get_num_threads(), 4)}
+            "cpu_tflops_per_core": round(gbs[64] * 64 / 1e3 / torch.get_num_threads(), 4), **moe}
 
 
 def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
@@ -83,6 +93,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
         # vLLM's CPU stage reads its weights at cpu_decode_efficiency of it (its sgl kernel; the one-row products
         # measured here are the coprocessor server's, by its kernel)
         measured["dram_gbs"] = dram
+    if figures.get("moe_expert_gbs"):  # the MoE kernel's call, measured on the model's experts (rates.CallCost)
+        measured |= {k: figures[k] for k in ("moe_call_s", "moe_expert_gbs", "moe_pair_s")}
     if copy := figures.get("copy_gbs"):
         measured["prefetch_pcie_gbs"] = copy
         # the coprocessor reads the CPU rows and streams the GPU's at once, both from the one DRAM
@@ -93,7 +105,7 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
 
 def used(hw: Hardware) -> str:
     """The figures the measurements set, as the log shows them."""
-    keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed")
+    keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed", "moe_call_s", "moe_expert_gbs", "moe_pair_s")
     return ", ".join(f"{k} {getattr(hw, k):.3g}" for k in keys)
 
 
@@ -107,13 +119,15 @@ def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part) -> dict[str, float]:
+def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part,
+                experts: str | None = None) -> dict[str, float]:
     """This stage's part measured and published where it is the one to measure and nobody has (a stage restarted
-    alone keeps its peers' figures), then every part, once all are there. The gpu part waits for the cpu part: the
+    alone keeps its peers' figures), then every part, once all are there. experts: the model's (rates.spec_of),
+    which the cpu part times its MoE kernel on. The gpu part waits for the cpu part: the
     copy engine reads the same DRAM, so both measured at once read less (57 GB/s of DRAM against 96 on the H100
     box, copies 49.9 against 53.3)."""
     shm_dir, instance = env.get("HYBRID_SHM_DIR", "/dev/shm"), env.get("HYBRID_INSTANCE", "local")
-    paths = {part: part_path(plan, shm_dir, instance, replica, part) for part in ("cpu", "gpu")}
+    paths = {part: part_path(plan, shm_dir, instance, replica, part, experts) for part in ("cpu", "gpu")}
     timeout = float(env.get(WAIT_ENV, 900))
     end = time.monotonic() + timeout
 
@@ -132,7 +146,7 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
             wait("cpu")
         if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
             env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
-                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8))}
+                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)), **({SPEC_ENV: experts} if experts else {})}
         t0 = time.monotonic()
         figures = dict(measure(mine, env))
         figures[f"{mine}_measure_s"] = round(time.monotonic() - t0, 2)
@@ -161,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, parse_cpulist(os.environ["HYBRID_CPUS"]))
         cpus = len(os.sched_getaffinity(0))
         torch.set_num_threads(min(cpus, int(os.environ.get(THREADS_ENV) or cpus)))
-    print(json.dumps(measure_cpu(nbytes) if args.part == "cpu" else measure_gpu(nbytes)))
+    cpu = args.part == "cpu"
+    print(json.dumps(measure_cpu(nbytes, os.environ.get(SPEC_ENV)) if cpu else measure_gpu(nbytes)))
     return 0
 
 

@@ -12,6 +12,7 @@ from vllm_hybrid import node
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape
 from vllm_hybrid.strategies import Hardware, resolve_split
+from vllm_hybrid.strategies.experts import rates
 from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 STAGES = [{"name": "gpu", "device": "gpu", "layers": 16}, {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15,
@@ -20,9 +21,9 @@ RAW = {"model": "/models/llama", "dtype": "bfloat16", "max_model_len": 8192, "st
        "expected_concurrency": 1, "stages": STAGES}
 
 
-def measure(part: str, nbytes: int = 64 << 20) -> dict:
+def measure(part: str, nbytes: int = 64 << 20, **env) -> dict:
     r = subprocess.run([sys.executable, "-m", "vllm_hybrid.node", part], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, node.MEASURE_BYTES_ENV: str(nbytes), "CUDA_VISIBLE_DEVICES": ""})
+                       env={**os.environ, node.MEASURE_BYTES_ENV: str(nbytes), "CUDA_VISIBLE_DEVICES": "", **env})
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -34,6 +35,25 @@ def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_ne
     assert set(cpu) == {"dram_gbs", "cpu_gemv_gbs", "cpu_gemv_sgl5_gbs", "cpu_tflops_per_core"}
     assert all(v > 0 for v in cpu.values()) and cpu["cpu_gemv_gbs"] == cpu["cpu_gemv_sgl5_gbs"]
     assert measure("gpu") == {}  # no CUDA here: the copy rate stays the model's own
+
+
+@pytest.mark.parametrize("fmt,held", [("w4a16", 32), ("bf16", 21)])
+def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
+    """A mixture of experts' spec (rates.SPEC_ENV): its kernel's calls timed on experts of that shape and format, as
+    many as the bytes hold (bf16 at 786 KB an expert: 21 in 16 MiB; W4A16 at 203 KB: all 32), and the line fitted."""
+    cpu = measure("cpu", 16 << 20, **{rates.SPEC_ENV: f"{fmt}:512:256:32:4"})
+    assert cpu["moe_experts_held"] == held and cpu["moe_expert_gbs"] > 0 and cpu["moe_one_token_ms"] > 0
+    assert cpu["moe_call_s"] >= 0 and cpu["moe_pair_s"] >= 0 and cpu["moe_fit_error"] < 1
+    assert node.hardware(plan_from_dict(RAW), cpu).moe_expert_gbs == cpu["moe_expert_gbs"]
+
+
+def test_the_moe_call_fit_recovers_a_line_and_drops_a_negative_term():
+    line = rates.CallCost(2e-4, 40.0, 3e-6)
+    calls = [(e, p, line.seconds(e, p, 10_000_000)) for e, p in ((1, 1), (8, 8), (27, 32), (73, 128), (100, 512))]
+    assert rates.fit(calls, 10_000_000) == line
+    flat = [(e, p, 1e-3) for e, p, _ in calls]  # the same time whatever the call: its fixed cost, nothing per expert
+    got = rates.fit(flat, 10_000_000)
+    assert (got.call_s, got.pair_s) == (1e-3, 0.0) and got.expert_gbs > 0
 
 
 def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
@@ -48,6 +68,9 @@ def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
     given = node.hardware(plan_from_dict({**RAW, "hardware": {"dram_gbs": 120.0, "cpu_token_speed": 0.5}}), figures)
     assert (given.dram_gbs, given.cpu_token_speed, given.prefetch_pcie_gbs) == (120.0, 0.5, 50.0)
     assert node.hardware(plan, {}) == Hardware()
+    moe = {"moe_call_s": 2e-4, "moe_expert_gbs": 40.0, "moe_pair_s": 3e-6, "moe_fit_error": 0.1}
+    hw = node.hardware(plan, {**figures, **moe})
+    assert (hw.moe_call_s, hw.moe_expert_gbs, hw.moe_pair_s) == (2e-4, 40.0, 3e-6)
 
 
 def test_auto_follows_the_measured_node():
@@ -67,10 +90,12 @@ def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_the
     plan = plan_from_dict({**RAW, "stages": [*STAGES, {"name": "cpu2", "device": "cpu", "layers": 2, "cpus": 1,
                                                   "memory": "4Gi"}]})
     env = {"HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
-    calls, threads, cpu_path = [], [], node.part_path(plan, str(tmp_path), "t", 0, "cpu")
+    spec = "w4a16:4096:1536:128:8"  # the model's experts: the cpu part times its MoE kernel on them
+    calls, threads, cpu_path = [], [], node.part_path(plan, str(tmp_path), "t", 0, "cpu", spec)
 
     def fake(part, measure_env):
         calls.append(part)
+        assert measure_env.get(rates.SPEC_ENV) == ("w4a16:4096:1536:128:8" if part == "cpu" else None)
         # the copies read the same DRAM: the gpu part measures once the cpu part is done, not beside it
         assert part == "cpu" or os.path.exists(cpu_path)
         if part == "cpu":  # the stage's cpus, not the whole cpuset; 1 GiB at most, an eighth of its memory
@@ -78,7 +103,7 @@ def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_the
         return {"cpu": {"dram_gbs": 90.0, "cpu_gemv_gbs": 70.0}, "gpu": {"copy_gbs": 54.0}}[part]
 
     got = {}
-    stages = [threading.Thread(target=lambda s=s: got.update({s: node.figures_for(plan, s, 0, env, fake)}))
+    stages = [threading.Thread(target=lambda s=s: got.update({s: node.figures_for(plan, s, 0, env, fake, spec)}))
               for s in (2, 0, 1)]  # the last stage measures nothing and waits for both; the gpu stage starts first
     for t in stages:
         t.start()
@@ -87,10 +112,11 @@ def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_the
     assert calls == ["cpu", "gpu"] and threads == [("15", str(1 << 30))]  # the first cpu stage and the first gpu stage, once each
     assert got[0] == got[1] == got[2] and got[0]["dram_gbs"] == 90.0 and got[0]["copy_gbs"] == 54.0
     assert got[0]["cpu_measure_s"] >= 0 and got[0]["gpu_measure_s"] >= 0
-    assert node.figures_for(plan, 1, 0, env, fake) == got[1] and len(calls) == 2  # restarted: no new measurement
+    assert node.figures_for(plan, 1, 0, env, fake, spec) == got[1] and len(calls) == 2  # restarted: no new measurement
+    assert cpu_path != node.part_path(plan, str(tmp_path), "t", 0, "cpu", "bf16:4096:14336:8:2")  # another model
     other = plan_from_dict({**RAW, "stages": [STAGES[0], dict(STAGES[1], cpus=8)]})
     with pytest.raises(PlanError, match=r"stage gpu did not measure the node's gpu figures within 0 s"):
-        node.figures_for(other, 1, 0, {**env, node.WAIT_ENV: "0"}, fake)  # another spec: measured afresh
+        node.figures_for(other, 1, 0, {**env, node.WAIT_ENV: "0"}, fake, spec)  # another spec: measured afresh
 
 
 def test_the_launcher_measures_for_auto_logs_it_and_every_stage_picks_the_same(tiny_llama, tmp_path):

@@ -17,6 +17,11 @@ class Hardware:
     cpu_moe_efficiency: float = 0.65     # and a mixture of experts' layers (gpu_bench-mixtral-h100.json: 89-405 ms)
     experts_efficiency: float = 1.0      # and strategy experts' server, its kernel measured at start (grouped: 115 GB/s
     # of experts at one token on a 111.5 GB/s box, experts_kernel-h100-b.json; TPOT 50 ms, gpu_bench-experts-mixtral-h100-b)
+    # a call of the CPU's MoE kernel (strategies.experts.rates.CallCost), measured at start on the model's experts;
+    # 0: not measured, its experts read at cpu_moe_efficiency / experts_efficiency of dram_gbs instead
+    moe_call_s: float = 0.0
+    moe_expert_gbs: float = 0.0
+    moe_pair_s: float = 0.0
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
@@ -88,6 +93,18 @@ def cpu_pass_s(read_bytes: float, flops_per_token: float, c: int, cores: int, sh
     flops = c * flops_per_token / (cores * hw.cpu_token_speed * 1e12)
     return max(read_bytes / (hw.dram_gbs * 1e9 * efficiency) + flops / hw.cpu_token_tflops_per_core,
                flops / hw.cpu_decode_tflops_per_core)
+
+
+def moe_calls_s(hw: Hardware, shape, held: float, c: int, calls: int = 1) -> float | None:
+    """One MoE layer's decode step of `c` tokens on a CPU holding `held` of its experts, by the measured kernel
+    call (None: not measured): the distinct held experts the tokens route to, and the pairs routed to them, in
+    `calls` calls."""
+    if not hw.moe_expert_gbs:
+        return None
+    experts = calls * held * (1 - (1 - shape.routed / shape.experts) ** (c / calls))
+    pairs = c * shape.routed * held / shape.experts
+    return (calls * hw.moe_call_s + experts * shape.expert_bytes / (hw.moe_expert_gbs * 1e9)
+            + pairs * hw.moe_pair_s)
 
 
 def lm_head_bytes(shape, lay, k: int) -> int:

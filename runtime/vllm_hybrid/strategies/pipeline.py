@@ -4,17 +4,23 @@ from __future__ import annotations
 from ..plan import Plan
 from ..planner import Split
 from .base import Layout, Strategy
-from .cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, lm_head_bytes
+from .cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, lm_head_bytes, moe_calls_s
 
 
 def cpu_stage_cost(plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
-    """A CPU stage computing its layers (and the LM head when last) alone."""
+    """A CPU stage computing its layers (and the LM head when last) alone; a mixture of experts' routed experts by
+    the MoE kernel's call as measured on this node where it was (cost.moe_calls_s), the rest by DRAM's share."""
     shape, c, n = split.shape, work.concurrency, lay.layers[k]
     stage, lm = plan.stages[lay.stages[k]], lm_head_bytes(shape, lay, k)
     cores = stage.cpus or 1
     flops_per_token = 2 * (n * shape.active_layer_elems + lm / shape.dtype_bytes)
-    return StageCost(cpu_pass_s(n * shape.layer_read_bytes(c) + lm, flops_per_token, c, cores, shape, hw),
-                     work.prompt * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12))
+    prefill = work.prompt * flops_per_token / (cores * hw.cpu_prefill_tflops_per_core * 1e12)
+    if (moe := moe_calls_s(hw, shape, shape.experts, c)) is not None:
+        dense_flops = flops_per_token - 2 * n * shape.routed * shape.expert_elems
+        dense = n * (shape.layer_bytes - shape.layer_expert_bytes) + lm
+        return StageCost(cpu_pass_s(dense, dense_flops, c, cores, shape, hw, hw.cpu_decode_efficiency) + n * moe,
+                         prefill)
+    return StageCost(cpu_pass_s(n * shape.layer_read_bytes(c) + lm, flops_per_token, c, cores, shape, hw), prefill)
 
 
 class Pipeline(Strategy):

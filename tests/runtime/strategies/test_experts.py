@@ -507,6 +507,30 @@ def test_auto_picks_experts_where_the_measured_runs_found_it_fastest(concurrency
     assert lay.strategy == "experts" and est["experts"] > max(v for k, v in est.items() if k != "experts")
 
 
+def test_auto_follows_the_moe_kernel_measured_on_the_node():
+    """Issue 48, item 4: the same Mixtral plan at concurrency 1 on a node whose MoE kernel (rates.CallCost, measured
+    at start on the model's experts) reads experts at 100 GB/s with a 50 us call, and one whose call costs 5 ms (as if
+    one token kept most cores idle): the first calls the CPU at every layer for its experts (experts), the second only
+    at the CPU stage's 7 (pipeline), which pays the same calls."""
+    from vllm_hybrid import node
+    from vllm_hybrid.strategies import Workload, get
+    stages = ({"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.92, "memory": "81559Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"})
+    plan, shape = mixtral_plan(stages, strategy="auto", max_num_seqs=64, block_size=128, max_num_batched_tokens=512,
+                               expected_concurrency=1, expected_prompt_tokens=32, expected_output_tokens=16)
+    split, picks, pipeline_s = split_layers(plan, shape), {}, {}
+    pipeline = get("pipeline")
+    for call_s in (5e-5, 5e-3):
+        hw = node.hardware(plan, {"dram_gbs": 111.5, "moe_call_s": call_s, "moe_expert_gbs": 100.0, "moe_pair_s": 1e-5})
+        picks[call_s] = resolve(plan, split, hw)[0].strategy
+        lay = pipeline.layout(plan, split)
+        pipeline_s[call_s] = sum(pipeline.cost(plan, split, lay, k, Workload(1, 32, 16), hw).step_s
+                                 for k in range(len(lay.stages)))
+    assert picks == {5e-5: "experts", 5e-3: "pipeline"}
+    cpu_layers = split.stages[1].layers
+    assert pipeline_s[5e-3] - pipeline_s[5e-5] == pytest.approx(cpu_layers * (5e-3 - 5e-5))  # one call a layer
+
+
 def test_experts_cost_reads_the_routed_cpu_experts_and_streams_them_for_large_steps():
     from vllm_hybrid.strategies import Workload, get
     from vllm_hybrid.strategies.streaming import prefetch_cost

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...plan import Plan
 from ...planner import GiB, ModelShape, Split
 from ..base import SHARED_SHM, Layout, StageExtras, Strategy, shm_socket, unquantized
-from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, lm_head_bytes
+from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, lm_head_bytes, moe_calls_s
 from ..streaming import streaming_gpu
 from .io import HELPER_RING_SLOTS, RATES_ENV, SOCKET_ENV, Rates
 
@@ -101,9 +101,10 @@ class Balanced(Strategy):
         weights = n * (shape.layer_bytes - shape.layer_expert_bytes) + lm_head_bytes(shape, lay, k)
         rates, calls, gb = split_rates(hw, cores), (4 * n + 1) * hw.split_call_s, weights / 1e9
         moe_flops = 2 * n * shape.routed * shape.expert_elems
+        moe = moe_calls_s(hw, shape, shape.experts, c)  # the MoE kernel's call as measured on this node, if it was
         step = (split_pass_s(weights, shape.hidden, c, shape.dtype_bytes, rates) + calls
                 + c * gb * hw.split_token_s_per_gb / hw.cpu_token_speed
-                + cpu_pass_s(n * shape.expert_read_bytes(c), moe_flops, c, cores, shape, hw))
+                + (n * moe if moe is not None else cpu_pass_s(n * shape.expert_read_bytes(c), moe_flops, c, cores, shape, hw)))
         chunk = min(prompt, plan.max_num_batched_tokens)
         prefill = (work.chunks(plan) * (split_pass_s(weights, shape.hidden, chunk, shape.dtype_bytes, rates) + calls)
                    + prompt * gb * hw.split_prefill_s_per_gb

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from ...plan import Plan, PlanError
 from ...planner import ModelShape, Split, stage_budget
 from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
-from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, workload_of
+from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, moe_calls_s, workload_of
 from ..streaming import prefetch_cost
 from .io import (
     BYTES_ENV,
@@ -278,8 +278,12 @@ class Experts(Strategy):
         cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
 
         def pod_s(tokens: int) -> float:  # a step of `tokens` computed by the CPU pod (max_rows at a time)
+            parts = -(-tokens // DEFAULT_MAX_ROWS)
+            calls = shape.num_layers * parts * hw.coproc_call_s
+            held = remote / shape.expert_bytes / shape.num_layers  # a layer's remote experts
+            if (kernel := moe_calls_s(hw, shape, held, tokens, parts)) is not None:  # measured on this node
+                return shape.num_layers * kernel + calls
             read = remote * (1 - (1 - shape.routed / shape.experts) ** tokens)
-            calls = shape.num_layers * -(-tokens // DEFAULT_MAX_ROWS) * hw.coproc_call_s
             return cpu_pass_s(read, flops_per_token, tokens, cores, shape, hw, hw.experts_efficiency) + calls
 
         # a prefill step goes where a decode step of its tokens would (the main stage asks by the step's tokens):

@@ -1,0 +1,156 @@
+"""What a call of the CPU's MoE kernel costs on this node, for `auto`'s cost model (issue 48, item 4): measured at
+start by the node's cpu part (node.measure_cpu) on experts of the model's own shape and format, instead of a share of
+DRAM fitted to one box (the 235B's pod read 30 GB/s at one token on one H200 box and 45 on another, where both read
+DRAM at about 110).
+
+A call computes `experts` distinct experts for `pairs` routed (token, slot) pairs; its time is modelled as
+    call_s + experts x expert_bytes / expert_gbs + pairs x pair_s
+(a fixed cost: the thread team woken, rows sorted; each expert's weights read once; each pair's products), the three
+fitted to calls timed from one token on one expert to a batch of tokens over many experts. Pure but for `measure`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+SPEC_ENV = "HYBRID_NODE_EXPERTS"  # the model's routed experts, for the node's cpu part: fmt:hidden:intermediate:experts:top_k
+
+# formats.WeightFormat's names -> the CPU pod's (quantized.FORMATS); experts in the model's dtype: bf16
+POD_FORMATS = {"FP8 block-128": "fp8-block", "W8A8 INT8": "int8", "W4A16 compressed-tensors": "w4a16",
+               "W4A16 GPTQ": "w4a16", "W4A16 AWQ": "w4a16-awq", "MXFP4": "mxfp4"}
+BATCH_TOKENS = (4, 16, 64)  # the batch calls' tokens, as decode steps at those concurrencies route them
+MEASURE_S = 0.1  # each call's window (as the server times its kernels at start)
+
+
+@dataclass(frozen=True)
+class CallCost:
+    call_s: float      # a call's fixed cost
+    expert_gbs: float  # each distinct expert's bytes (as stored) read at this rate
+    pair_s: float      # each routed (token, slot) pair
+
+    def seconds(self, experts: float, pairs: float, expert_bytes: int) -> float:
+        return self.call_s + experts * expert_bytes / (self.expert_gbs * 1e9) + pairs * self.pair_s
+
+
+def spec_of(shape) -> str | None:
+    """SPEC_ENV's value for a model (None: dense, or experts in a format the CPU pod does not compute)."""
+    if not shape.experts:
+        return None
+    fmt = shape.weight_format
+    pod = POD_FORMATS.get(fmt.name) if fmt.quantized and "experts" in fmt.quantized_roles else "bf16"
+    return pod and f"{pod}:{shape.hidden}:{shape.intermediate}:{shape.experts}:{shape.routed}"
+
+
+def fit(points: list[tuple[float, float, float]], expert_bytes: int) -> CallCost:
+    """CallCost from (experts, pairs, seconds) of timed calls: least squares on the relative error (a one-token call
+    weighs as much as a batch), no term below zero (one that fits negative is dropped and the rest fitted again)."""
+    import numpy as np
+    a = np.array([[1.0, e * expert_bytes / 1e9, p] for e, p, _ in points])
+    t = np.array([s for _, _, s in points])
+    keep = [0, 1, 2]
+    while True:
+        w = a[:, keep] / t[:, None]
+        coef = np.linalg.lstsq(w, np.ones(len(t)), rcond=None)[0]
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = dict.fromkeys(range(3), 0.0) | dict(zip(keep, coef.clip(min=0).tolist()))
+    per_gb = full[1] or min(s for _, _, s in points) / (max(e for e, _, _ in points) * expert_bytes / 1e9)
+    return CallCost(round(full[0], 7), round(1 / per_gb, 1), round(full[2], 9))
+
+
+def call_seconds(layer, steps: list, seconds: float = MEASURE_S) -> float:
+    """Mean seconds of layer.compute over a window of `seconds`, the steps' routings taken in turn (their experts'
+    weights come from DRAM, as in serving)."""
+    layer.compute(*steps[-1])  # warms up: AMX tiles, scratch buffers
+    i, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or i == 0:
+        layer.compute(*steps[i % len(steps)])
+        i += 1
+    return elapsed / i
+
+
+def calls(n: int, top_k: int, hidden: int, dtype, seed: int = 0) -> list[tuple[float, float, list]]:
+    """(mean distinct experts, pairs, steps) of the calls timed on a layer of experts 0..n-1: one token on one expert
+    and on top_k, then BATCH_TOKENS tokens each routed to top_k of the n."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    k = min(top_k, n)
+
+    def step(tokens: int, slots: int):
+        ids = torch.stack([torch.randperm(n, generator=g)[:slots] for _ in range(tokens)]).to(torch.int32)
+        return torch.randn(tokens, hidden, generator=g).to(dtype), ids, torch.rand(tokens, slots, generator=g)
+    out = []
+    for tokens, slots in ((1, 1), (1, k), *((t, k) for t in BATCH_TOKENS)):
+        steps = [step(tokens, slots) for _ in range(4)]
+        distinct = sum(len(set(ids.flatten().tolist())) for _, ids, _ in steps) / len(steps)
+        out.append((distinct, tokens * slots, steps))
+    return out
+
+
+def layer_of(fmt: str, n: int, hidden: int, inter: int, kernel: str):
+    """n experts of this shape in `fmt` as the server computes them (random weights: the time does not depend on
+    them). bf16 by `kernel` (torch, sgl, grouped: packed in place); a quantized format prepared by vLLM's CPU
+    preparation for fused_experts_cpu (one expert quantized, copied to all)."""
+    import torch
+
+    from . import kernels, quantized
+    if fmt == "bf16":
+        w13_n, w2_n = 2 * inter * hidden, hidden * inter
+        flat = torch.empty(n * (w13_n + w2_n) * 2, dtype=torch.uint8)
+        flat.view(torch.bfloat16).normal_(0, 0.02)  # touched: resident, not zero pages
+        w13 = flat[:n * w13_n * 2].view(torch.bfloat16).view(n, 2 * inter, hidden)
+        w2 = flat[n * w13_n * 2:].view(torch.bfloat16).view(n, hidden, inter)
+        weights = [(w13[i], w2[i]) for i in range(n)]
+        if kernel == "torch":
+            return kernels.LayerExperts(list(range(n)), weights)
+        return kernels.layer_experts(flat, list(range(n)), weights, kernel)
+    tensors = {}
+    for name, shape in (("w13", (1, 2 * inter, hidden)), ("w2", (1, hidden, inter))):
+        q = quantized.quantize(fmt, torch.randn(*shape) * 0.02)
+        tensors |= {name: q["w"], f"{name}_scale": q["scale"]} | ({f"{name}_zeros": q["zeros"]} if "zeros" in q else {})
+        if quantized.FORMATS[fmt].biased:
+            tensors[f"{name}_bias"] = torch.zeros(1, shape[1])
+    stacks = quantized.prepare(fmt, **{role: t.expand(n, *t.shape[1:]).contiguous() for role, t in tensors.items()})
+    return kernels.quantized_layer(list(range(n)), stacks)
+
+
+def candidates(fmt: str, hidden: int, inter: int) -> list[str]:
+    """The kernels the server would choose among: bf16's that run here (kernels.packed_kernel), else fused_experts_cpu."""
+    import torch
+
+    from . import kernels
+    if fmt != "bf16":
+        return ["fused_experts_cpu"]
+    return ["torch", *(c for c in kernels.PACKED_KERNELS if kernels.packed_kernel(torch.bfloat16, hidden, inter, c))]
+
+
+def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, float]:
+    """The node's figures for `spec` (SPEC_ENV): the fitted call cost of the fastest kernel (the least time over
+    the same calls; its index in candidates()), on as many experts as `nbytes` holds (at least top_k: each read from
+    DRAM in turn), and the fit's largest relative error over those calls."""
+    import torch
+    fmt, *dims = spec.split(":")
+    hidden, inter, experts, top_k = map(int, dims)
+    from .quantized import FORMATS
+    if fmt != "bf16" and fmt not in FORMATS:
+        raise ValueError(f"{SPEC_ENV}={spec!r}: format one of bf16, {', '.join(FORMATS)}")
+    dtype = torch.bfloat16
+    expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else None
+    best = None
+    for kernel in candidates(fmt, hidden, inter):
+        probe = layer_of(fmt, 1, hidden, inter, kernel)
+        expert_bytes = expert_bytes or probe.expert_bytes
+        del probe
+        n = max(top_k, min(experts, nbytes // expert_bytes))
+        layer = layer_of(fmt, n, hidden, inter, kernel)
+        timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in calls(n, top_k, hidden, dtype)]
+        del layer
+        total = sum(s for _, _, s in timed)
+        if best is None or total < best[0]:
+            best = (total, kernel, n, timed)
+    _, kernel, n, timed = best
+    cost = fit(timed, expert_bytes)
+    error = max(abs(cost.seconds(e, p, expert_bytes) / s - 1) for e, p, s in timed)
+    return {"moe_call_s": cost.call_s, "moe_expert_gbs": cost.expert_gbs, "moe_pair_s": cost.pair_s,
+            "moe_kernel": float(candidates(fmt, hidden, inter).index(kernel)), "moe_experts_held": float(n),
+            "moe_fit_error": round(error, 3), "moe_one_token_ms": round(timed[1][2] * 1e3, 4)}
