@@ -418,26 +418,45 @@ def planned_stages(strategy: str) -> list[dict]:
     return stages[::-1] if strategy in ("offload", "coprocessor", "experts") else stages
 
 
-def planned_split(strategy: str, **expected):
-    """(split, layout, estimates) the planner resolves for planned_stages(strategy)."""
+def planned_split(strategy: str, figures: dict | None = None, **expected):
+    """(split, layout, estimates) the planner resolves for planned_stages(strategy), on the node's figures where
+    given (node_figures: what auto's stages measure at start), else the cost model's defaults."""
+    from vllm_hybrid import node
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategies import resolve_split
     plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": strategy, **SHAPE, **expected,
                            "stages": planned_stages(strategy)})
-    return resolve_split(plan, model_shape(MODELS[MODEL]))
+    return resolve_split(plan, model_shape(MODELS[MODEL]), hw=node.hardware(plan, figures or {}))
 
 
-def planned_splits() -> dict:
+def node_figures() -> dict:
+    """What a live `auto` measures of this node at start (vllm_hybrid.node): the cpu part in the CPU stage's
+    environment and cores, with the model's experts (its MoE kernel's call), then the gpu part (the host-to-GPU
+    copy), one after the other as the stages do."""
+    from vllm_hybrid import node
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies.experts.rates import SPEC_ENV, spec_of
+    spec, cpus = spec_of(model_shape(MODELS[MODEL])), cpu_tuning()["env"]["HYBRID_CPUS"]
+    figures = {}
+    for part, env in (("cpu", {**CPU_ENV, "HYBRID_CPUS": cpus, **({SPEC_ENV: spec} if spec else {})}), ("gpu", GPU_ENV)):
+        t0 = time.monotonic()
+        figures |= node.measured_part(part, {**os.environ, **env})
+        figures[f"{part}_measure_s"] = round(time.monotonic() - t0, 2)
+    return figures
+
+
+def planned_splits(figures: dict | None = None) -> dict:
     """What the planner makes of this box for each strategy (layers per stage, the GEMM helper's GPU
-    memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates."""
+    memory, vLLM's GPU share) and what `auto` picks at each measured concurrency, with its estimates (on the node's
+    figures: node_figures)."""
     from vllm_hybrid.plan import PlanError
     gpu_mib, host_mib = box_memory()
-    out = {"gpu_mib": gpu_mib, "host_mib": host_mib, "gpu_budget_mib": gpu_budget_mib()}
+    out = {"gpu_mib": gpu_mib, "host_mib": host_mib, "gpu_budget_mib": gpu_budget_mib(), "node_figures": figures}
     for strategy in ("pipeline", "offload", "balanced", "coprocessor", "auto"):
         for c in CONCURRENCY if strategy == "auto" else CONCURRENCY[:1]:
             try:
-                split, lay, estimates = planned_split(strategy, expected_concurrency=c,
+                split, lay, estimates = planned_split(strategy, figures, expected_concurrency=c,
                                                       expected_prompt_tokens=PROMPT_TOKENS,
                                                       expected_output_tokens=OUTPUT_TOKENS)
             except PlanError as e:  # a strategy that refuses this checkpoint's format: the preview says so and goes on
@@ -538,7 +557,12 @@ def main(names):
         [results["dram_read_gbs"]] if "dram_read_gbs" in results else [])
     read_dram(results)
     if any(n.startswith("p-") for n in names):
-        results["planned"] = {"model": MODEL, **planned_splits()}
+        try:  # auto's picks on what its stages would measure here
+            figures = node_figures()
+        except Exception as e:  # noqa: BLE001 - the runs go on; the picks then use the cost model's defaults
+            print(f"node figures: {e!r}", flush=True)
+            figures = None
+        results["planned"] = {"model": MODEL, **planned_splits(figures)}
     for name in names:
         t0 = time.monotonic()
         peaks = Peaks()

@@ -57,3 +57,22 @@ def test_a_gpu_budget_scales_every_configurations_share_of_the_gpu(monkeypatch):
     plan = plan_from_dict({"model": "m", "strategy": "experts", "stages": gpu_bench.planned_stages("experts")})
     budget = stage_budget(next(st for st in plan.stages if not st.is_cpu), None) + GPU_RUNTIME_RESERVE
     assert abs(budget / (24 << 30) - 0.92) < 0.001
+
+
+def test_autos_picks_in_the_bench_use_what_its_stages_would_measure_here(monkeypatch):
+    """Issue 48, item 4: the bench's auto@c picks come from the node's figures as a live `auto` measures them (the
+    cpu part in the CPU stage's environment, timing the model's own experts: the 235B's W4A16 ones), not from the
+    cost model's defaults."""
+    from vllm_hybrid import node
+    monkeypatch.setattr(gpu_bench, "MODEL", "qwen3-235b-a22b-w4a16")
+    monkeypatch.setattr(gpu_bench, "box_memory", lambda: (81559, 131072))
+    monkeypatch.setattr(gpu_bench, "cpu_tuning", lambda: {"env": {"HYBRID_CPUS": "0-1"}})
+    monkeypatch.setenv(node.MEASURE_BYTES_ENV, str(64 << 20))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    figures = gpu_bench.node_figures()
+    # 64 MiB hold 6 of its 9.7 MB experts: it times top-8 at least
+    assert figures["moe_experts_held"] == 8 and figures["moe_expert_gbs"] > 0 and figures["dram_gbs"] > 0
+    assert "copy_gbs" not in figures and figures["gpu_measure_s"] >= 0  # no CUDA here
+    measured, default = gpu_bench.planned_splits(figures), gpu_bench.planned_splits()
+    assert measured["node_figures"] == figures and default["node_figures"] is None
+    assert measured["auto@1"]["predicted_tok_s"] != default["auto@1"]["predicted_tok_s"]

@@ -47,6 +47,14 @@ def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
     assert node.hardware(plan_from_dict(RAW), cpu).moe_expert_gbs == cpu["moe_expert_gbs"]
 
 
+def test_the_spec_names_the_models_experts_as_the_pod_computes_them():
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, QWEN3_235B_A22B, W4A16_GROUP128
+    assert rates.spec_of(model_shape(MIXTRAL_8X7B, "bfloat16")) == "bf16:4096:14336:8:2"
+    w4a16 = model_shape({**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128}, "bfloat16")
+    assert rates.spec_of(w4a16) == "w4a16:4096:1536:128:8"
+    assert rates.spec_of(model_shape(LLAMA_3_1_8B)) is None  # dense: no MoE kernel to time
+
+
 def test_the_moe_call_fit_recovers_a_line_and_drops_a_negative_term():
     line = rates.CallCost(2e-4, 40.0, 3e-6)
     calls = [(e, p, line.seconds(e, p, 10_000_000)) for e, p in ((1, 1), (8, 8), (27, 32), (73, 128), (100, 512))]

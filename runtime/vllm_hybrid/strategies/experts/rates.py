@@ -36,7 +36,9 @@ def spec_of(shape) -> str | None:
     if not shape.experts:
         return None
     fmt = shape.weight_format
-    pod = POD_FORMATS.get(fmt.name) if fmt.quantized and "experts" in fmt.quantized_roles else "bf16"
+    pod = "bf16"
+    if fmt.quantized and "experts" in fmt.quantized_roles:  # by the name's start, as the strategy takes them
+        pod = next((f for name, f in POD_FORMATS.items() if fmt.name.startswith(name)), None)
     return pod and f"{pod}:{shape.hidden}:{shape.intermediate}:{shape.experts}:{shape.routed}"
 
 
