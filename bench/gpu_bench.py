@@ -439,7 +439,9 @@ def node_figures() -> dict:
     from vllm_hybrid.strategies.experts.rates import SPEC_ENV, spec_of
     spec, cpus = spec_of(model_shape(MODELS[MODEL])), cpu_tuning()["env"]["HYBRID_CPUS"]
     figures = {}
-    for part, env in (("cpu", {**CPU_ENV, "HYBRID_CPUS": cpus, **({SPEC_ENV: spec} if spec else {})}), ("gpu", GPU_ENV)):
+    cpu = {**CPU_ENV, "HYBRID_CPUS": cpus, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu",
+           **({SPEC_ENV: spec} if spec else {})}
+    for part, env in (("cpu", cpu), ("gpu", GPU_ENV)):
         t0 = time.monotonic()
         figures |= node.measured_part(part, {**os.environ, **env})
         figures[f"{part}_measure_s"] = round(time.monotonic() - t0, 2)
