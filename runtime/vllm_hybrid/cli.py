@@ -145,7 +145,7 @@ def build_stage(args, env: dict[str, str]):
                    **server.summary, "cpus": binding_cpus(binding), "numa_node": binding.numa_node}
         return plan, ident, argv, server.env(binding, env), None, None, summary
     binding = stage_binding(plan, ident, env)
-    rec = resolve_stage(plan, split, ident, env, lay)
+    rec = resolve_stage(plan, split, ident, env, lay, hw)
     argv = numactl_prefix(binding, shutil.which("numactl")) + vllm_command(plan, rec, ident)
     child_env = vllm_env(plan, rec, ident, binding, env)
     summary = resolved_summary(plan, rec, ident, binding, child_env)

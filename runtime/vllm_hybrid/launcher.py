@@ -80,10 +80,12 @@ class StageRecord:
         return "api" if self.rank == 0 else "headless"
 
 
-def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str], lay: Layout | None = None) -> StageRecord:
+def resolve_stage(plan: Plan, split: Split, ident: Identity, env: dict[str, str], lay: Layout | None = None,
+                  hw=None) -> StageRecord:
+    """hw: the cost model's figures `lay` was resolved on (node-measured for auto), which a strategy may size by."""
     lay = lay or get("pipeline").layout(plan, split)
     stage, rank = plan.stages[ident.stage], lay.stages.index(ident.stage)
-    extras = get(lay.strategy).stage(plan, split, lay, ident, env)
+    extras = get(lay.strategy).stage(plan, split, lay, ident, env, hw)
     timeout, grace = stall_timeouts(plan, split, lay)
     return StageRecord(
         index=ident.stage, rank=rank, stages=len(lay.stages), name=stage.name, device=stage.device,

@@ -141,8 +141,10 @@ class Strategy(BudgetRules):
     def layout(self, plan: Plan, split: Split) -> Layout:
         raise NotImplementedError
 
-    def stage(self, plan: Plan, split: Split, lay: Layout, ident: Identity, env: dict[str, str]) -> StageExtras:
-        """Its part of the record of the stage `ident` names (one of lay.stages); env: the pod's."""
+    def stage(self, plan: Plan, split: Split, lay: Layout, ident: Identity, env: dict[str, str],
+              hw: Hardware | None = None) -> StageExtras:
+        """Its part of the record of the stage `ident` names (one of lay.stages); env: the pod's; hw: the cost model's
+        figures the strategy was resolved on (None: the plan's, hardware_of)."""
         return StageExtras()
 
     def server(self, plan: Plan, lay: Layout, ident: Identity, env: dict[str, str]) -> Server | None:

@@ -33,7 +33,7 @@ class Offload(Strategy):
         self.require_gpu(plan)
         return streamed_layout(plan, split, self.name)
 
-    def stage(self, plan, split, lay, ident, env):
+    def stage(self, plan, split, lay, ident, env, hw=None):
         rank = lay.stages.index(ident.stage)
         streamed = lay.offload_bytes[rank]
         if not streamed:

@@ -531,6 +531,43 @@ def test_auto_follows_the_moe_kernel_measured_on_the_node():
     assert pipeline_s[5e-3] - pipeline_s[5e-5] == pytest.approx(cpu_layers * (5e-3 - 5e-5))  # one call a layer
 
 
+def test_the_pod_takes_the_steps_its_measured_call_computes_before_the_gpu_would_copy_them():
+    """W4A16 Mixtral at a 24 GiB budget (4.65 GiB of experts in the pod, which keeps their stacks for the GPU), with
+    the MoE call this lease's H200 box measured (71.4 GB/s an expert, 169 us a routed pair): the pod's step outlasts
+    the copy of every layer's remote experts (91 ms at 55 GB/s) above 8 tokens, so steps of 16 and 64 copy them to the
+    GPU (measured on that box: the pod 4.9 ms a layer at 16 tokens, the copy 2.8; offload 1.6x experts). Unmeasured
+    (the cost model's own figures), the pod takes up to 64 as before; the stage's capture sizes and the main stage's
+    max_rows follow the pick, and so does the cost."""
+    from vllm_hybrid import node
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import Workload, get
+    from vllm_hybrid.strategies.experts import DEFAULT_MAX_ROWS, pod_rows
+    from vllm_hybrid.strategies.streaming import prefetch_cost
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
+    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.1573, "memory": "143771Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"}]
+    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts",
+                           "max_num_seqs": 64, "block_size": 128, "stages": stages})
+    shape = model_shape({**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128}, "bfloat16")
+    strategy = get("experts")
+    split = split_layers(plan, shape, None, strategy)
+    lay = strategy.layout(plan, split)
+    measured = node.hardware(plan, {"dram_gbs": 83.9, "moe_call_s": 0.0, "moe_expert_gbs": 71.4,
+                                    "moe_pair_s": 1.69318e-4, "copy_gbs": 55.05})
+    assert round(lay.offload_bytes[0] / (1 << 30), 2) == 4.65
+    assert pod_rows(plan, split, lay, measured) == 8
+    assert pod_rows(plan, split, lay, node.hardware(plan, {"dram_gbs": 83.9})) == DEFAULT_MAX_ROWS
+    ident, base = Identity(0, 0, "10.0.0.1", None), {"HYBRID_INSTANCE": "mix", "HYBRID_SHM_DIR": "/dev/shm"}
+    for hw, rows in ((measured, "8"), (None, "64")):
+        rec = resolve_stage(plan, split, ident, base, lay, hw)
+        env, argv = vllm_env(plan, rec, ident, None, base), vllm_command(plan, rec, ident, python="py")
+        assert argv[argv.index("--max-cudagraph-capture-size") + 1] == env["HYBRID_EXPERTS_MAX_ROWS"] == rows
+    costs = {c: strategy.cost(plan, split, lay, 0, Workload(c, 32, 16), measured).step_s for c in (8, 16)}
+    assert costs[16] == prefetch_cost(lay.offload_bytes[0], Workload(16, 32, 16), plan, measured).step_s
+    assert costs[8] < prefetch_cost(lay.offload_bytes[0], Workload(8, 32, 16), plan, measured).step_s
+
+
 def test_experts_cost_reads_the_routed_cpu_experts_and_streams_them_for_large_steps():
     from vllm_hybrid.strategies import Workload, get
     from vllm_hybrid.strategies.streaming import prefetch_cost

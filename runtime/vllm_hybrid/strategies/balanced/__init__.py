@@ -73,7 +73,7 @@ class Balanced(Strategy):
         helpers = tuple(streaming_gpu(plan.stages, i) if plan.stages[i].is_cpu else None for i in everyone)
         return Layout(self.name, tuple(everyone), counts, (0,) * len(counts), helpers)
 
-    def stage(self, plan, split, lay, ident, env) -> StageExtras:
+    def stage(self, plan, split, lay, ident, env, hw=None) -> StageExtras:
         split_with, helper_for = lay.helper_of(ident.stage), lay.helped_by(ident.stage)
         if split_with is not None:  # a cpu stage: its GEMMs are split with that helper (patches.py)
             rates = split_rates(hardware_of(plan), plan.stages[ident.stage].cpus or 1).encode()

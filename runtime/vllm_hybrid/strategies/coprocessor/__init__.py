@@ -43,7 +43,7 @@ class Coprocessor(Strategy):
         servers = tuple((i, streaming_gpu(plan.stages, i)) for i, s in enumerate(plan.stages) if s.is_cpu)
         return streamed_layout(plan, split, self.name, servers)
 
-    def stage(self, plan, split, lay, ident, env) -> StageExtras:
+    def stage(self, plan, split, lay, ident, env, hw=None) -> StageExtras:
         rank = lay.stages.index(ident.stage)
         servers = [cpu for cpu, gpu in lay.servers if gpu == ident.stage]
         if not servers:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from ...plan import Plan, PlanError
 from ...planner import ModelShape, Split, stage_budget
 from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
-from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, moe_calls_s, workload_of
+from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, moe_calls_s, workload_of
 from ..streaming import prefetch_cost
 from .io import (
     BYTES_ENV,
@@ -207,6 +207,38 @@ def placement(plan: Plan, split: Split, gpu: int, counts: Sequence[Sequence[int]
     return place(shape.num_layers, shape.experts, count / shape.num_layers, counts)
 
 
+def pod_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int = DEFAULT_MAX_ROWS) -> float:
+    """A step of `tokens` computed by the CPU pod, `rows` at a time: each layer's call of its kernel (cost.moe_calls_s
+    as measured on this node, else its routed experts read at experts_efficiency of DRAM) and hand-over."""
+    shape, remote = split.shape, lay.offload_bytes[0]
+    parts = -(-tokens // rows)
+    calls = shape.num_layers * parts * hw.coproc_call_s
+    held = remote / shape.expert_bytes / shape.num_layers  # a layer's remote experts
+    if (kernel := moe_calls_s(hw, shape, held, tokens, parts)) is not None:
+        return shape.num_layers * kernel + calls
+    flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
+    cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
+    read = remote * (1 - (1 - shape.routed / shape.experts) ** tokens)
+    return cpu_pass_s(read, flops_per_token, tokens, cores, shape, hw, hw.experts_efficiency) + calls
+
+
+def pod_rows(plan: Plan, split: Split, lay: Layout, hw: Hardware) -> int:
+    """The largest step (tokens: a power of two up to DEFAULT_MAX_ROWS) the CPU pod computes; larger ones copy each
+    layer's remote experts to the GPU, where it computes them (bf16; quantized where the pod keeps the stacks), once
+    the pod's step would outlast that copy (W4A16 Mixtral at 24 GiB on an H200 box: the pod 4.9 ms a layer at 16
+    tokens, the copy 2.8). Only where the pod's kernel was measured on this node (the cost model's own figures would
+    weigh a guess against the copy); else DEFAULT_MAX_ROWS (where the pod keeps no stacks for the GPU, it computes
+    larger steps in parts)."""
+    shape = split.shape
+    if not hw.moe_expert_gbs or (quantized_experts(shape) and not pod_keeps_stacks(plan, lay, shape)):
+        return DEFAULT_MAX_ROWS
+    copy = lay.offload_bytes[0] / (hw.prefetch_pcie_gbs * 1e9)  # the step's copies, every layer's
+    rows = 1
+    while rows < DEFAULT_MAX_ROWS and pod_step_s(plan, split, lay, hw, 2 * rows) <= copy:
+        rows *= 2
+    return rows
+
+
 class Experts(Strategy):
     name = "experts"
     auto = True
@@ -240,8 +272,9 @@ class Experts(Strategy):
                             f"{budget / (1 << 30):.2f} GiB")
         return Layout(self.name, (gpu,), (split.shape.num_layers,), (remote,), servers=((cpu, gpu),))
 
-    def stage(self, plan, split, lay, ident, env) -> StageExtras:
+    def stage(self, plan, split, lay, ident, env, hw=None) -> StageExtras:
         cpu, shape = next(c for c, g in lay.servers if g == ident.stage), split.shape
+        rows = pod_rows(plan, split, lay, hw or hardware_of(plan))
         # the stage's env may name another file, or none (empty: no counting, placed evenly)
         counts_file = env.get(COUNTS_ENV, counts_path(env, plan.model, shape.num_layers, shape.experts))
         counts, placed = (read_counts(counts_file, shape.num_layers, shape.experts) if counts_file
@@ -251,13 +284,13 @@ class Experts(Strategy):
         keep = not plan.stages[ident.stage].is_cpu and pod_keeps_stacks(plan, lay, shape)
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
-            flags=("--max-cudagraph-capture-size", str(DEFAULT_MAX_ROWS),
+            flags=("--max-cudagraph-capture-size", str(rows),
                    *(() if plan.stages[ident.stage].is_cpu else moe_backend_flags(plan, shape))),
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
-                 (MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS)), *(((KEEP_ENV, "1"),) if keep else ())),
+                 (MAX_ROWS_ENV, str(rows)), *(((KEEP_ENV, "1"),) if keep else ())),
             env_defaults=((COUNTS_ENV, counts_file),),
-            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed),
+            summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed), ("pod_rows", rows),
                      *((("large_steps", "gpu (the cpu pod keeps the stacks)"),) if keep else ())))
 
     def server(self, plan, lay, ident, env) -> Server | None:
@@ -266,32 +299,17 @@ class Experts(Strategy):
     def cost(self, plan: Plan, split: Split, lay: Layout, k: int, work: Workload, hw: Hardware) -> StageCost:
         """bench/bounds.py's terms: a decode step reads the cpu experts its tokens route to from DRAM (the gpu's
         own layers are the step's fixed cost), plus a hand-over per layer (coproc's measured one: the same memops);
-        larger steps cross PCIe with them, prefill steps as their tokens say (pod_s's caller below)."""
+        steps above pod_rows cross PCIe with them where the GPU computes them, prefill steps as their tokens say."""
         remote, shape, c = lay.offload_bytes[k], split.shape, work.concurrency
         if not remote:
             return NO_COST
-        stream = prefetch_cost(remote, work, plan, hw)
-        quantized = quantized_experts(shape)
-        if c > DEFAULT_MAX_ROWS and not quantized:
-            return stream
-        flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
-        cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
-
-        def pod_s(tokens: int) -> float:  # a step of `tokens` computed by the CPU pod (max_rows at a time)
-            parts = -(-tokens // DEFAULT_MAX_ROWS)
-            calls = shape.num_layers * parts * hw.coproc_call_s
-            held = remote / shape.expert_bytes / shape.num_layers  # a layer's remote experts
-            if (kernel := moe_calls_s(hw, shape, held, tokens, parts)) is not None:  # measured on this node
-                return shape.num_layers * kernel + calls
-            read = remote * (1 - (1 - shape.routed / shape.experts) ** tokens)
-            return cpu_pass_s(read, flops_per_token, tokens, cores, shape, hw, hw.experts_efficiency) + calls
-
-        # a prefill step goes where a decode step of its tokens would (the main stage asks by the step's tokens):
-        # the CPU pod up to max_rows, and larger ones too for quantized experts unless the pod keeps the stacks the
-        # GPU copies; else the GPU streams the layer's cpu experts
-        rows = min(work.prompt, plan.max_num_batched_tokens)
-        to_pod = rows <= DEFAULT_MAX_ROWS or (quantized and not pod_keeps_stacks(plan, lay, shape))
-        return StageCost(pod_s(c), work.chunks(plan) * pod_s(rows) if to_pod else stream.prefill_s)
+        stream, rows = prefetch_cost(remote, work, plan, hw), pod_rows(plan, split, lay, hw)
+        to_gpu = not quantized_experts(shape) or pod_keeps_stacks(plan, lay, shape)  # else the pod, in parts
+        # a prefill step goes where a decode step of its tokens would (the main stage asks by the step's tokens)
+        chunk = min(work.prompt, plan.max_num_batched_tokens)
+        return StageCost(stream.step_s if c > rows and to_gpu else pod_step_s(plan, split, lay, hw, c, rows),
+                         stream.prefill_s if chunk > rows and to_gpu
+                         else work.chunks(plan) * pod_step_s(plan, split, lay, hw, chunk, rows))
 
     def patch_vllm(self) -> list[str]:
         from .patches import apply  # vLLM's modules: only in a stage's vLLM process
