@@ -232,9 +232,10 @@ def pod_rows(plan: Plan, split: Split, lay: Layout, hw: Hardware) -> int:
     shape = split.shape
     if not hw.moe_expert_gbs or (quantized_experts(shape) and not pod_keeps_stacks(plan, lay, shape)):
         return DEFAULT_MAX_ROWS
-    copy = lay.offload_bytes[0] / (hw.prefetch_pcie_gbs * 1e9)  # the step's copies, every layer's
+    def gpu_s(tokens: int) -> float:  # the step's copies, every layer's, as the cost model streams them
+        return prefetch_cost(lay.offload_bytes[0], Workload(tokens), plan, hw).step_s
     rows = 1
-    while rows < DEFAULT_MAX_ROWS and pod_step_s(plan, split, lay, hw, 2 * rows) <= copy:
+    while rows < DEFAULT_MAX_ROWS and pod_step_s(plan, split, lay, hw, 2 * rows) <= gpu_s(2 * rows):
         rows *= 2
     return rows
 
