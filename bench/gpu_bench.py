@@ -475,12 +475,26 @@ def planned_splits(figures: dict | None = None) -> dict:
 STREAMED_CAPTURE = [f"--max-cudagraph-capture-size={max(CONCURRENCY)}"]
 
 
-def run_planned(model, strategy: str, **env):
-    """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU)."""
+def run_planned(model, strategy: str, hardware: dict | None = None, **env):
+    """p-*: the model larger than the GPU, split by the planner for `strategy` (issue: larger than GPU); hardware:
+    the plan's cost-model figures (measured_hardware)."""
     streams = strategy in ("offload", "coprocessor", "experts")
+    extra = {"extra_args": STREAMED_CAPTURE} if strategy in ("offload", "coprocessor") else {}
     return run_pipeline(model, streams, strategy, f"planned-{strategy}", stages=planned_stages(strategy),
-                        plan_extra={"extra_args": STREAMED_CAPTURE} if strategy in ("offload", "coprocessor") else None,
-                        **env)
+                        plan_extra={**extra, **({"hardware": hardware} if hardware else {})} or None, **env)
+
+
+NODE_FIGURES: dict = {}  # this call's node_figures (main measures them before the p-* runs)
+
+
+def measured_hardware(figures: dict) -> dict:
+    """The plan's `hardware` for what `auto`'s stages would have measured (node_figures): the cost model's fields
+    those figures set, so an explicit strategy sizes itself as `auto` would (experts: pod_rows)."""
+    from vllm_hybrid import node
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.strategies import Hardware
+    hw, default = node.hardware(plan_from_dict({"model": "m", "stages": planned_stages("experts")}), figures), Hardware()
+    return {k: getattr(hw, k) for k in Hardware.__dataclass_fields__ if getattr(hw, k) != getattr(default, k)}
 
 
 def run_planned_prefetch_plain(model):
@@ -532,6 +546,8 @@ CONFIGS = {
     "p-experts-grouped": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="grouped"),
     "p-experts-kt": lambda m: run_planned(m, "experts", HYBRID_EXPERTS_KERNEL="kt"),  # W4A16 on kt-kernel
     "p-experts-passive": lambda m: run_planned(m, "experts", HYBRID_SERVER_WAIT="passive"),  # its threads asleep at once
+    # the pod's step limit from this node's measured MoE call (pod_rows), as under auto
+    "p-experts-rows": lambda m: run_planned(m, "experts", measured_hardware(NODE_FIGURES)),
     "p-auto": lambda m: run_planned(m, "auto"),
     "p-prefetch-plain": run_planned_prefetch_plain,
 }
@@ -564,6 +580,7 @@ def main(names):
         except Exception as e:  # noqa: BLE001 - the runs go on; the picks then use the cost model's defaults
             print(f"node figures: {e!r}", flush=True)
             figures = None
+        NODE_FIGURES.update(figures or {})
         results["planned"] = {"model": MODEL, **planned_splits(figures)}
     for name in names:
         t0 = time.monotonic()

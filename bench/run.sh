@@ -5,7 +5,7 @@
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
 #   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b|qwen3-235b-a22b-w4a16|
-#   mixtral-8x7b-w4a16|gpt-oss-120b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-kt p-experts-passive
+#   mixtral-8x7b-w4a16|gpt-oss-120b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-kt p-experts-passive p-experts-rows (the pod's step limit from the node's measured MoE call, as under auto)
 #   p-auto p-prefetch-plain (split by the planner from this box's memories); at about a second a step use
 #   HYBRID_BENCH_CONCURRENCY=1,4,16 HYBRID_BENCH_PROMPT_TOKENS=32 HYBRID_BENCH_OUTPUT_TOKENS=16
 #   HYBRID_BENCH_TTFT=1024 HYBRID_BENCH_BATCHED_TOKENS=512 (bench/results/README.md): about 5 minutes each.

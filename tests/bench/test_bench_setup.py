@@ -76,3 +76,28 @@ def test_autos_picks_in_the_bench_use_what_its_stages_would_measure_here(monkeyp
     measured, default = gpu_bench.planned_splits(figures), gpu_bench.planned_splits()
     assert measured["node_figures"] == figures and default["node_figures"] is None
     assert measured["auto@1"]["predicted_tok_s"] != default["auto@1"]["predicted_tok_s"]
+
+
+def test_p_experts_rows_gives_an_explicit_experts_plan_what_auto_would_have_measured(monkeypatch):
+    """p-experts-rows: the node's figures as the plan's `hardware`, so an explicit `strategy: experts` gets the pod's
+    step limit auto would set (W4A16 Mixtral at 24 GiB on the 2026-11-29 H200 lease's figures: 8 tokens); without
+    them the limit stays 64."""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape, split_layers
+    from vllm_hybrid.strategies import get, hardware_of
+    from vllm_hybrid.strategies.experts import pod_rows
+    monkeypatch.setattr(gpu_bench, "MODEL", "mixtral-8x7b-w4a16")
+    monkeypatch.setattr(gpu_bench, "box_memory", lambda: (143771, 128887))
+    monkeypatch.setattr(gpu_bench, "GPU_BUDGET_MIB", 24 * 1024)
+    monkeypatch.setattr(gpu_bench, "cpu_tuning", lambda: {"env": {"HYBRID_CPUS": "1-15"}})
+    lease = json.loads((Path(gpu_bench.__file__).parent / "results"
+                        / "gpu_bench-mixtral-w4a16-24gib-h200-2026-11-29.json").read_text())["planned"]["node_figures"]
+    hardware = gpu_bench.measured_hardware(lease)
+    assert hardware["moe_expert_gbs"] == 71.4 and hardware["prefetch_pcie_gbs"] == 55.05
+    rows = {}
+    for name, given in (("measured", hardware), ("plain", None)):
+        plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": "experts", **gpu_bench.SHAPE,
+                               "stages": gpu_bench.planned_stages("experts"), **({"hardware": given} if given else {})})
+        split = split_layers(plan, model_shape(gpu_bench.MODELS[gpu_bench.MODEL]), None, get("experts"))
+        rows[name] = pod_rows(plan, split, get("experts").layout(plan, split), hardware_of(plan))
+    assert rows == {"measured": 8, "plain": 64}
