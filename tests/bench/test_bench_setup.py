@@ -90,8 +90,10 @@ def test_p_experts_rows_gives_an_explicit_experts_plan_what_auto_would_have_meas
     monkeypatch.setattr(gpu_bench, "box_memory", lambda: (143771, 128887))
     monkeypatch.setattr(gpu_bench, "GPU_BUDGET_MIB", 24 * 1024)
     monkeypatch.setattr(gpu_bench, "cpu_tuning", lambda: {"env": {"HYBRID_CPUS": "1-15"}})
-    lease = json.loads((Path(gpu_bench.__file__).parent / "results"
-                        / "gpu_bench-mixtral-w4a16-24gib-h200-2026-11-29.json").read_text())["planned"]["node_figures"]
+    monkeypatch.setenv("HYBRID_BENCH_NODE_FIGURES", str(Path(gpu_bench.__file__).parent / "results"
+                                                        / "gpu_bench-mixtral-w4a16-24gib-h200-2026-11-29.json"))
+    lease = gpu_bench.lease_figures()  # that lease's, not measured here: the file says so
+    assert lease["from_file"] == 1.0 and lease["copy_gbs"] == 55.05
     hardware = gpu_bench.measured_hardware(lease)
     assert hardware["moe_expert_gbs"] == 71.4 and hardware["prefetch_pcie_gbs"] == 55.05
     rows = {}
