@@ -137,23 +137,21 @@ def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, flo
     from .quantized import FORMATS
     if fmt != "bf16" and fmt not in FORMATS:
         raise ValueError(f"{SPEC_ENV}={spec!r}: format one of bf16, {', '.join(FORMATS)}")
-    dtype = torch.bfloat16
-    expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else None
+    dtype, here = torch.bfloat16, candidates(fmt, hidden, inter)
+    # a quantized expert's bytes as stored, its scales' too: one expert prepared
+    expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else layer_of(fmt, 1, hidden, inter, here[0]).expert_bytes
+    n = max(top_k, min(experts, nbytes // expert_bytes))
     best = None
-    for kernel in candidates(fmt, hidden, inter):
-        probe = layer_of(fmt, 1, hidden, inter, kernel)
-        expert_bytes = expert_bytes or probe.expert_bytes
-        del probe
-        n = max(top_k, min(experts, nbytes // expert_bytes))
+    for kernel in here:
         layer = layer_of(fmt, n, hidden, inter, kernel)
         timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in calls(n, top_k, hidden, dtype)]
         del layer
         total = sum(s for _, _, s in timed)
         if best is None or total < best[0]:
-            best = (total, kernel, n, timed)
-    _, kernel, n, timed = best
+            best = (total, kernel, timed)
+    _, kernel, timed = best
     cost = fit(timed, expert_bytes)
     error = max(abs(cost.seconds(e, p, expert_bytes) / s - 1) for e, p, s in timed)
     return {"moe_call_s": cost.call_s, "moe_expert_gbs": cost.expert_gbs, "moe_pair_s": cost.pair_s,
-            "moe_kernel": float(candidates(fmt, hidden, inter).index(kernel)), "moe_experts_held": float(n),
+            "moe_kernel": float(here.index(kernel)), "moe_experts_held": float(n),
             "moe_fit_error": round(error, 3), "moe_one_token_ms": round(timed[1][2] * 1e3, 4)}
