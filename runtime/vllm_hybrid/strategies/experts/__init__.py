@@ -26,6 +26,7 @@ from .io import (
     format_placement,
     load_counts,
 )
+from .rates import POD_FORMATS
 
 REGION_SLACK = 64 << 20  # the region beyond the experts' bytes: 4 KiB alignment of each tensor, rounding
 
@@ -91,8 +92,8 @@ def expert_bytes(shape: ModelShape) -> int:
     return shape.expert_bytes
 
 
-# the quantized formats whose experts the CPU pod computes (quantized.FORMATS, by formats.WeightFormat's names)
-SERVED_QUANTIZED = ("FP8 block-128", "W8A8 INT8", "W4A16 compressed-tensors", "W4A16 GPTQ", "W4A16 AWQ", "MXFP4")
+# the quantized formats whose experts the CPU pod computes (formats.WeightFormat's names' starts: rates.POD_FORMATS)
+SERVED_QUANTIZED = tuple(POD_FORMATS)
 
 
 def quantized_experts(shape: ModelShape) -> bool:

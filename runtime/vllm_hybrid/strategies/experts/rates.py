@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 SPEC_ENV = "HYBRID_NODE_EXPERTS"  # the model's routed experts, for the node's cpu part: fmt:hidden:intermediate:experts:top_k
 
-# formats.WeightFormat's names -> the CPU pod's (quantized.FORMATS); experts in the model's dtype: bf16
+# formats.WeightFormat's names' starts -> the CPU pod's format (quantized.FORMATS): the quantized experts the strategy
+# serves (SERVED_QUANTIZED); experts in the model's dtype: bf16
 POD_FORMATS = {"FP8 block-128": "fp8-block", "W8A8 INT8": "int8", "W4A16 compressed-tensors": "w4a16",
                "W4A16 GPTQ": "w4a16", "W4A16 AWQ": "w4a16-awq", "MXFP4": "mxfp4"}
 BATCH_TOKENS = (4, 16, 64)  # the batch calls' tokens, as decode steps at those concurrencies route them
@@ -141,10 +142,10 @@ def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, flo
     # a quantized expert's bytes as stored, its scales' too: one expert prepared
     expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else layer_of(fmt, 1, hidden, inter, here[0]).expert_bytes
     n = max(top_k, min(experts, nbytes // expert_bytes))
-    best = None
+    best, timing = None, calls(n, top_k, hidden, dtype)  # the same calls for every kernel
     for kernel in here:
         layer = layer_of(fmt, n, hidden, inter, kernel)
-        timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in calls(n, top_k, hidden, dtype)]
+        timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in timing]
         del layer
         total = sum(s for _, _, s in timed)
         if best is None or total < best[0]:
