@@ -35,21 +35,27 @@ def closed(sock: socket.socket) -> bool:
 
 class Counters:
     """A server's running totals as Prometheus counters (exposed as NAME_total; they only grow while it serves),
-    read at each scrape: `totals` gives (name, doc, read), `by_label` (name, doc, label, read -> {value: total})."""
+    read at each scrape: `totals` gives (name, doc, read), `by_label` (name, doc, label, read -> {value: total}).
+    All are read under `lock` (the server holds it while a step updates them): a scrape sees whole steps, so ratios
+    of two counters (the experts' remote share) are exact even over a window of two scrapes."""
 
-    def __init__(self, labels: dict[str, str], totals=(), by_label=()):
+    def __init__(self, labels: dict[str, str], totals=(), by_label=(), lock: threading.Lock | None = None):
         self.labels, self.totals, self.by_label = labels, totals, by_label
+        self.lock = lock or contextlib.nullcontext()
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
         names, values = list(self.labels), list(self.labels.values())
-        for name, doc, read in self.totals:
+        with self.lock:  # read everything first: a generator must not hold the lock across its yields
+            totals = [(name, doc, read()) for name, doc, read in self.totals]
+            by_label = [(name, doc, label, sorted(read().items())) for name, doc, label, read in self.by_label]
+        for name, doc, total in totals:
             family = CounterMetricFamily(name, doc, labels=names)
-            family.add_metric(values, read())
+            family.add_metric(values, total)
             yield family
-        for name, doc, label, read in self.by_label:
+        for name, doc, label, items in by_label:
             family = CounterMetricFamily(name, doc, labels=[*names, label])
-            for key, total in sorted(read().items()):
+            for key, total in items:
                 family.add_metric([*values, str(key)], total)
             yield family
 

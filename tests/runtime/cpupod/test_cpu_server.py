@@ -3,7 +3,8 @@ import threading
 import time
 
 import torch
-from vllm_hybrid.cpupod.server import wait_request
+from vllm_hybrid.cpupod.server import Counters, wait_request
+from vllm_hybrid.strategies.experts.kernels import Served
 
 
 def waited(words, idle_s: float, **kw) -> dict:
@@ -38,3 +39,21 @@ def test_a_server_between_products_keeps_spinning():
     got = waited(torch.zeros(4, dtype=torch.int64), 0.5, nap_after=10.0)  # idle less than nap_after: no nap
     assert got["word"] == 7
     assert got["cpu"] > 0.3 * got["wall"], got
+
+
+def test_a_scrape_waits_for_the_step_in_progress_and_sees_it_whole():
+    """Counters read under the server's lock: a scrape while a step holds it waits and then sees both totals
+    updated, never one of them (a torn pair made the experts' remote share 0.478 instead of 0.5)."""
+    served = Served()
+    counters = Counters({"stage": "1"}, [("tokens", "", lambda: served.expert_tokens),
+                                         ("pairs", "", lambda: served.routed_pairs)], lock=served.lock)
+    scraped = []
+    with served.lock:
+        served.expert_tokens += 3
+        scrape = threading.Thread(target=lambda: scraped.extend(counters.collect()))
+        scrape.start()
+        scrape.join(0.2)
+        assert scrape.is_alive() and not scraped  # half a step is never read
+        served.routed_pairs += 6
+    scrape.join(5)
+    assert [(f.name, f.samples[0].value) for f in scraped] == [("tokens", 3), ("pairs", 6)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,13 +36,16 @@ class Served:
     metrics: object = None  # the server's StageMetrics (serve_metrics)
     split_products: int = 0  # products in a split step, each computed once a step (the session's manifest)
     by_rows: dict[int, list] = field(default_factory=dict)  # step size -> [busy seconds, products]
+    # held while add() updates the totals and while a scrape reads them: a scrape never sees half a product
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, rows: int, seconds: float) -> None:
-        self.products += 1
-        self.busy_s += seconds
-        acc = self.by_rows.setdefault(rows, [0.0, 0])
-        acc[0] += seconds
-        acc[1] += 1
+        with self.lock:
+            self.products += 1
+            self.busy_s += seconds
+            acc = self.by_rows.setdefault(rows, [0.0, 0])
+            acc[0] += seconds
+            acc[1] += 1
 
 
 # rows padded to 5 than through its small-step path (cpu_kernels-h100-b.json: 116 against 107 GB/s at 1, 98 against 88
@@ -211,8 +215,8 @@ def serve_metrics(port: int, served: Served) -> None:
     served.metrics = m
     m.info.info({"device": "cpu", "layers": "", "strategy": "coprocessor"})
 
-    def by_rows(i: int):  # busy seconds (0) or products (1) by the step's tokens; list(): one step under the GIL
-        return lambda: {rows: v[i] for rows, v in list(served.by_rows.items())}
+    def by_rows(i: int):  # busy seconds (0) or products (1) by the step's tokens (read under served.lock)
+        return lambda: {rows: v[i] for rows, v in served.by_rows.items()}
     # by the step's tokens (a label per step size seen): the GPU stage's passes timed at start, its warm-up and its
     # decode steps, to set the CPU's part of a step against its whole
     m.registry.register(Counters(m.labels, totals=(
@@ -221,7 +225,8 @@ def serve_metrics(port: int, served: Served) -> None:
         ("hybrid_coproc_busy_seconds", "Time this CPU stage spent computing products (else waiting for the GPU)",
          lambda: served.busy_s)), by_label=(
         ("hybrid_coproc_step_busy_seconds", "Time computing products, by the step's tokens", "rows", by_rows(0)),
-        ("hybrid_coproc_step_products", "Products computed, by the step's tokens", "rows", by_rows(1)))))
+        ("hybrid_coproc_step_products", "Products computed, by the step's tokens", "rows", by_rows(1))),
+        lock=served.lock))
     Gauge("hybrid_coproc_split_products", "Products in one split step, each computed once a step (the CPU's time per "
           "step: its time per product times this)", list(m.labels), registry=m.registry).labels(
         **m.labels).set_function(lambda: served.split_products)

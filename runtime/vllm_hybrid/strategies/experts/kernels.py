@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ class Served:
     between_s: float = 0.0
     betweens: int = 0
     metrics: object = None  # the server's StageMetrics (serve_metrics): what it measured at start goes there
+    # held while a step updates the totals and while a scrape reads them: a scrape never sees half a step
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

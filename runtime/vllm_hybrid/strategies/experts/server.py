@@ -53,13 +53,14 @@ def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle
         if last_layer is not None and layer > last_layer:  # the same step's next MoE layer
             served.between_s += t0 - last_done
             served.betweens += 1
-        y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
-        io.y(layer, rows).copy_(y)
-        words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
-        served.steps += 1
-        served.routed_pairs += rows * io.layout.top_k
-        last_layer, last_done = layer, time.perf_counter()
-        served.busy_s += last_done - t0
+        with served.lock:  # the step's totals (some counted inside compute) reach a scrape together
+            y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
+            io.y(layer, rows).copy_(y)
+            words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
+            served.steps += 1
+            served.routed_pairs += rows * io.layout.top_k
+            last_layer, last_done = layer, time.perf_counter()
+            served.busy_s += last_done - t0
     return served.steps
 
 
@@ -190,7 +191,8 @@ def serve_metrics(port: int, served: Served) -> None:
         ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
          "work between two MoE layers and both hand-overs)", lambda: served.between_s),
         ("betweens", "Intervals summed in between_seconds", lambda: served.betweens))
-    m.registry.register(Counters(m.labels, [(f"hybrid_experts_{name}", doc, read) for name, doc, read in totals]))
+    m.registry.register(Counters(m.labels, [(f"hybrid_experts_{name}", doc, read) for name, doc, read in totals],
+                                     lock=served.lock))
     start_http_server(port, registry=m.registry)
 
 
