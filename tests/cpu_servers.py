@@ -101,6 +101,43 @@ def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: 
     return CoprocSession(sock, first["describe"], size, flat, offsets, reply, io)
 
 
+def coproc_int8_session(path: str, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int,
+                        proc: subprocess.Popen, act_dtype: torch.dtype = torch.bfloat16, timeout: float = 60.0
+                        ) -> CoprocSession:
+    """coproc_session for W8A8 INT8 products (`weights`: int8 N x K and its N float32 scales each): each weight in a
+    room of N x (K + 4) bytes (its first N x K bytes, as the GPU worker's loader writes it), the scales after them.
+    The session's `region` is the flat uint8 region, `offsets` each room's."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            assert time.monotonic() < end and proc.poll() is None, "server did not listen"
+            time.sleep(0.1)
+    rooms = [n * (k + 4) for n, k in (w.shape for w, _ in weights)]
+    offsets = list(itertools.accumulate(rooms[:-1], initial=0))
+    scale_at = list(itertools.accumulate((4 * w.shape[0] for w, _ in weights[:-1]), initial=sum(rooms)))
+    total = scale_at[-1] + 4 * weights[-1][0].shape[0]
+    send_msg(sock, {"weights_bytes": total})
+    first = recv_msg(sock, max_fds=1)
+    wmap, size = hostmem.open_fd(first["fds"][0])
+    flat = torch.frombuffer(wmap, dtype=torch.uint8, count=total)
+    for (w, s), off, at in zip(weights, offsets, scale_at):
+        flat[off:off + w.numel()].view(torch.int8).copy_(w.flatten())
+        flat[at:at + 4 * s.numel()].view(torch.float32).copy_(s)
+    send_msg(sock, {"dtype": str(act_dtype).removeprefix("torch."), "format": "int8", "max_rows": max_rows,
+                    "products": [[o, *w.shape, at] for o, (w, _), at in zip(offsets, weights, scale_at)]})
+    reply = recv_msg(sock, max_fds=1)
+    iomap, _ = hostmem.open_fd(reply["fds"][0])
+    for fd in (first["fds"][0], reply["fds"][0]):
+        os.close(fd)
+    io = coproc_io.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc_io.IoLayout.for_shapes(
+        [tuple(w.shape) for w, _ in weights], max_rows, act_dtype.itemsize), act_dtype)
+    return CoprocSession(sock, first["describe"], size, flat, offsets, reply, io)
+
+
 # --- strategy experts: the test plays the main stage, through the client vLLM's patch uses -----------
 
 def make_experts(n: int, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

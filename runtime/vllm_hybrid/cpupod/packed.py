@@ -5,6 +5,9 @@ kernel wants is the layout the GPU copies, and the GPU unpacks what it copied. T
 N x K (or E x N x K) bf16: sgl (vLLM's CPU GEMMs for bf16, VLLM_CPU_SGL_KERNEL; its fused-MoE kernel), VNNI pairs
 of K in blocks of 32 rows; amx (cpu_fused_moe), the same in blocks of 16; vec, blocks of 16 rows transposed. In
 each, a prefix of whole blocks holds exactly those rows: rows [0, n0) and [n0, N) of a product stay apart.
+int8 (sgl-int8: vllm-cpu's int8_scaled_mm_with_quant) is the one that is not a permutation: each block of 32 rows is
+K/4 x 32 x 4 bytes (quads of K) followed by the 32 rows' sums times 128 as int32 (the kernel's compensation for
+its unsigned activations), N x (K + 4) bytes in all; a prefix of whole blocks still holds exactly those rows.
 """
 from __future__ import annotations
 
@@ -47,6 +50,34 @@ def unpack_in_place(t: torch.Tensor, kernel: str) -> torch.Tensor:
     return t.copy_(unpack(t, kernel))
 
 
+INT8_BLOCK, INT8_EXTRA = 32, 4  # sgl-int8: rows per block, bytes per row beyond K (the row's int32 sum)
+
+
+def pack_int8(plain: torch.Tensor) -> torch.Tensor:
+    """N x K int8 -> N x (K + 4), what torch.ops._C.convert_weight_packed gives for int8 (on any device)."""
+    n, k = plain.shape
+    blocks = n // INT8_BLOCK
+    out = torch.empty(blocks, INT8_BLOCK * (k + INT8_EXTRA), dtype=torch.int8, device=plain.device)
+    out[:, :INT8_BLOCK * k] = plain.view(blocks, INT8_BLOCK, k // 4, 4).transpose(1, 2).reshape(blocks, INT8_BLOCK * k)
+    sums = plain.sum(1, dtype=torch.int32).mul_(128)
+    out[:, INT8_BLOCK * k:] = sums.view(blocks, INT8_BLOCK).view(torch.int8)
+    return out.view(n, k + INT8_EXTRA)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int8()'s inverse for whole blocks of rows (n x (K + 4) -> n x K), a new tensor on packed's device."""
+    n, k = packed.shape[0], packed.shape[1] - INT8_EXTRA
+    body = packed.reshape(n // INT8_BLOCK, INT8_BLOCK * (k + INT8_EXTRA))[:, :INT8_BLOCK * k].view(n // INT8_BLOCK, k // 4, INT8_BLOCK, 4)
+    return body.transpose(1, 2).reshape(n, k)
+
+
+def unpack_int8_in_place(packed: torch.Tensor) -> torch.Tensor:
+    """Rows packed for sgl-int8 made plain where they lie: the plain n x K rows at the start of their own bytes
+    (the rest, n x 4 bytes, left as it was). Returns the plain view."""
+    n, k = packed.shape[0], packed.shape[1] - INT8_EXTRA
+    return packed.view(-1)[:n * k].view(n, k).copy_(unpack_int8(packed))
+
+
 def vllm_cpu_ops(*names: str) -> bool:
     """vllm-cpu's ops (torch.ops._C) are here, without importing vLLM's engine."""
     try:
@@ -65,6 +96,19 @@ def sgl_runs_here() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             return "avx512_bf16" in f.read(1 << 16).split()
+    except OSError:
+        return False
+
+
+def sgl_int8_runs_here() -> bool:
+    """vllm-cpu's int8 GEMM runs on this CPU: AMX (tiles granted as for sgl_runs_here) or AVX512-VNNI."""
+    if not vllm_cpu_ops("int8_scaled_mm_with_quant", "convert_weight_packed"):
+        return False
+    if torch.cpu._is_amx_tile_supported():
+        return bool(torch._C._cpu._init_amx())
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_vnni" in f.read(1 << 16).split()
     except OSError:
         return False
 

