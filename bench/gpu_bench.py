@@ -42,6 +42,7 @@ from vllm_hybrid.tinymodel import (
     QWEN2_57B_A14B,
     QWEN3_235B_A22B,
     W4A16_GROUP128,
+    W8A8_INT8,
     make_shaped_model,
 )
 
@@ -64,6 +65,8 @@ MODELS = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B, "mixtral
           # issue 48's headline (W4A16, 119 GiB of experts) and gpt-oss as it ships (MXFP4): dummy weights, real configs
           "qwen3-235b-a22b-w4a16": {**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128},
           "mixtral-8x7b-w4a16": {**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128},
+          # issue 48's dense case: e-coproc's CPU pod on int8 weights (a byte a weight) beside the bf16 shape's
+          "llama-3.1-8b-int8": {**LLAMA_3_1_8B, "quantization_config": W8A8_INT8},
           "gpt-oss-120b": GPT_OSS_120B}
 MODEL = os.environ.get("HYBRID_BENCH_MODEL", "llama-3.1-8b")
 VOCAB = MODELS[MODEL]["vocab_size"]

@@ -4,6 +4,8 @@
 #   b-offload-uva, b-prefetch-plain, e-coproc, e-coproc-huge (strategy coprocessor, 4 KiB / 2 MiB pages), e-coproc-untuned (its split not tuned on timed passes), e-coproc-torch (its server on torch's GEMM, not the packed sgl one), e-coproc-passive (its server's threads asleep between calls), e-auto (the stages measure the node at start and resolve auto on it),
 #   c-gpu-first, d-balanced-gpu-first, c-cpu-first-2batches, b-offload-plain (plain `vllm serve
 #   --cpu-offload-gb`, no vllm-hybrid). One device call holds about two configurations (10 minutes).
+#   HYBRID_BENCH_MODEL=llama-3.1-8b-int8: the same 8B shape as a W8A8 INT8 checkpoint (e-coproc's cpu pod on int8
+#   weights, b-offload streaming them; its own HYBRID_BENCH_OUT beside the bf16 run's).
 #   Larger than the GPU: HYBRID_BENCH_MODEL=llama-3.1-70b|mixtral-8x7b|qwen2-57b-a14b|qwen3-235b-a22b-w4a16|
 #   mixtral-8x7b-w4a16|gpt-oss-120b with p-pipeline p-offload p-balanced p-coproc p-experts p-experts-sgl p-experts-grouped p-experts-kt p-experts-passive p-experts-rows (the pod's step limit from the node's measured MoE call, as under auto)
 #   p-auto p-prefetch-plain (split by the planner from this box's memories); at about a second a step use

@@ -358,6 +358,15 @@ W4A16_GROUP128 = {
     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                   "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
                                               "symmetric": True, "dynamic": False}}}}
+# compressed-tensors' W8A8 preset as llmcompressor writes it: int8 weights per output channel, int8 activations per
+# token at run time (the bench's llama-3.1-8b-int8: issue 48's dense case under strategy coprocessor)
+W8A8_INT8 = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                                  "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
+                                              "dynamic": False},
+                                  "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                                        "symmetric": True, "dynamic": True}}}}
 # gpt-oss-120b as openai ships it: 36 layers of 128 biased experts (4 routed) in MXFP4, sinks, window/full attention
 GPT_OSS_120B = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,

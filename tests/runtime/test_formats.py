@@ -67,11 +67,14 @@ def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoin
     if "MXFP4" in fmt:  # vLLM's offloader cannot stream them (see test_offload_refuses_mxfp4_by_name)
         serving = ("pipeline", "experts")
     advice = {3: "pipeline, offload or experts", 2: " or ".join(serving)}[len(serving)]  # the ones that serve it
+    why = {"balanced": "unquantized weights (bf16, fp16 or fp32): its CPU pod computes from plain weights",
+           "coprocessor": "unquantized weights (bf16, fp16 or fp32) or W8A8 INT8: its CPU pod computes from plain or "
+                          "int8 weights"}
     for name in ("balanced", "coprocessor"):
         with pytest.raises(PlanError) as err:
             resolve(plan(name), split_layers(plan(name), shape))
-        assert str(err.value) == (f"strategy: {name} needs unquantized weights (bf16, fp16 or fp32): its CPU pod "
-                                  f"computes from plain weights, and this checkpoint is {fmt}; use strategy {advice}")
+        assert str(err.value) == (f"strategy: {name} needs {why[name]}, and this checkpoint is {fmt}; use strategy "
+                                  f"{advice}")
     for name in serving:
         assert resolve_split(plan(name), shape)[1].strategy == name
     for concurrency in (1, 64):
@@ -79,6 +82,18 @@ def test_strategies_that_compute_from_plain_weights_refuse_a_quantized_checkpoin
         assert set(estimates) == set(serving) and lay.strategy in estimates
     # the same model unquantized: every strategy is a candidate again (but experts for gpt-oss: biased bf16 experts)
     assert set(resolve_split(plan("auto"), model_shape(config))[2]) >= {"balanced", "coprocessor"}
+
+
+def test_coprocessor_takes_a_w8a8_int8_checkpoint_and_auto_weighs_it():
+    """W8A8 INT8 (compressed-tensors' preset): the coprocessor's CPU pod computes its rows from the int8 weights
+    (strategies/coprocessor/int8.py), so it serves the checkpoint and auto counts it; balanced still refuses."""
+    shape = model_shape({**LLAMA_8B, "quantization_config": W8A8_CT})
+    assert shape.weight_format.name == "W8A8 INT8"
+    lay = resolve_split(plan("coprocessor"), shape)[1]
+    assert lay.strategy == "coprocessor" and lay.offload_bytes[0] > 0
+    with pytest.raises(PlanError, match="balanced needs unquantized weights"):
+        resolve(plan("balanced"), split_layers(plan("balanced"), shape))
+    assert "coprocessor" in resolve_split(plan("auto"), shape)[2]
 
 
 def test_experts_takes_gpt_oss_in_mxfp4_and_refuses_its_bf16_experts_by_name():

@@ -71,7 +71,9 @@ def patch_loading_keeps_host_storage(loader_utils) -> str | None:
     # CPU parameters (the prefetch offloader's pinned copies) to the GPU and back into new pageable
     # tensors, which the offloader re-pins only in its post_init: until then every streamed weight has
     # two host copies (a 70B shape's 65 GB streamed did not fit a 125 GiB host). Copy the processed
-    # values back into the parameter's own host storage at once (coprocessor: the CPU pod's region).
+    # values back into the parameter's own host storage at once (coprocessor: the CPU pod's region); a
+    # weight processed into its transpose (CUTLASS's int8 and FP8 layouts: weight.t()) goes back as the
+    # transpose of its own storage.
     original = loader_utils.device_loading_context
 
     @contextlib.contextmanager
@@ -81,10 +83,14 @@ def patch_loading_keeps_host_storage(loader_utils) -> str | None:
             yield m
         for name, p in module.named_parameters():
             own = before.get(name)
-            if (own is not None and p.device.type == "cpu" and p.data.data_ptr() != own.data_ptr()
-                    and p.data.shape == own.shape and p.data.dtype == own.dtype and p.data.stride() == own.stride()):
+            if own is None or p.device.type != "cpu" or p.data.data_ptr() == own.data_ptr() or p.dtype != own.dtype:
+                continue
+            if p.data.shape == own.shape and p.data.stride() == own.stride():
                 own.copy_(p.data)
                 p.data = own
+            elif p.ndim == 2 and p.data.t().shape == own.shape and p.data.t().stride() == own.stride():
+                own.copy_(p.data.t())
+                p.data = own.t()
 
     loader_utils.device_loading_context = device_loading_context
     return "device_loading_context(processed CPU weights back into their own host storage)"

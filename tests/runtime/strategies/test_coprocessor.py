@@ -236,6 +236,47 @@ def test_a_packed_regions_rows_unpacked_ahead_are_used_as_they_are_once():
     assert client.plain(rows[:0], inner).shape == (0, 32)  # the CPU computes every row: nothing to unpack
 
 
+def test_an_int8_weight_gets_room_for_its_packed_rows_and_the_gpu_side_reads_them_plain():
+    """The GPU worker's side of a W8A8 INT8 product (its bookkeeping, on CPU tensors here; the CUTLASS rows run in
+    tests/gpu): take() gives an int8 weight a room of N x (K + 4) bytes with its plain rows first (a bf16 one or a
+    scale its own size); after the CPU pod packed the room, the rows the copy brings are unpacked where they lie in
+    the GPU buffer (at use, or ahead once); a room the pod kept plain (torch's kernel) is copied by its plain rows."""
+    client = coproc_client.Client("4:0.5")
+    client.flat, client.wbytes = torch.zeros(1 << 20, dtype=torch.uint8), 1 << 20
+    bf16 = client.take(torch.empty(64, 32, dtype=torch.bfloat16))
+    scale_room = client.take(torch.empty(64, 1))
+    w = torch.randint(-127, 128, (64, 32), dtype=torch.int8)
+    weight = client.take(w)
+    room = client.int8_room(weight)
+    assert bf16.shape == (64, 32) and client.int8_room(bf16) is None and scale_room.shape == (64, 1)
+    assert weight.shape == (64, 32) and room.shape == (64, 36) and weight.data_ptr() == room.data_ptr()
+    assert client.int8_room(weight.t()) is room  # vLLM's CUTLASS layout of the same rows
+    assert client.used == hostmem.round_up(hostmem.round_up(64 * 32 * 2, 4096) + 256, 4096) + 64 * 36
+    weight.copy_(w)  # the loader
+    room.copy_(packed.pack_int8(room.view(-1)[:64 * 32].view(64, 32)))  # the CPU pod, in place
+    buffer = torch.zeros(64, 36, dtype=torch.int8)  # the offloader's GPU buffer takes the room's size
+    j = client.add_product(room, boundary=False, buffer=buffer, scale=scale_room.view(-1),
+                           gpu_scale=scale_room, act_dtype=torch.bfloat16)
+    p = client.products[j]
+    assert (p.shape, p.nbytes, p.dtype, p.is_int8) == ((64, 32), 64 * 32, torch.bfloat16, True)
+    client.packed = "sgl-int8"
+    src, dst = client.copy_views(j, 32)
+    assert src.shape == dst.shape == (32, 36) and client.unpacks_ahead(j, 32)
+    dst.copy_(src)
+    assert torch.equal(client.plain_int8(j, 32), w[:32])  # unpacked at use, in the buffer
+    dst.copy_(src)
+    packed.unpack_int8_in_place(dst)  # what unpack_ahead does on its stream
+    p.plain_rows = 32
+    assert torch.equal(client.plain_int8(j, 32), w[:32]) and p.plain_rows == 0
+    client.packed = None  # the pod kept the room plain: its rows are the room's first N x K bytes
+    room.view(-1)[:64 * 32].view(64, 32).copy_(w)
+    buffer.zero_()
+    src, dst = client.copy_views(j, 64, 32)
+    assert src.shape == dst.shape == (32, 32) and not client.unpacks_ahead(j, 32)
+    dst.copy_(src)
+    assert torch.equal(client.plain_int8(j, 64)[32:], w[32:])
+
+
 def test_the_split_follows_what_both_ends_measured_and_never_splits_where_streaming_wins():
     client = coproc_client.Client()
     qkv = client.add_product(torch.empty(1024, 8), boundary=False)

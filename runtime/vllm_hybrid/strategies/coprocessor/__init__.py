@@ -11,6 +11,8 @@ from ..cost import NO_COST, Hardware, StageCost, Workload
 from ..streaming import OFFLOADERS, prefetch_cost, prefetch_flags, streamed_layout, streaming_gpu
 from .io import BYTES_ENV, SOCKET_ENV
 
+INT8_FORMAT = "W8A8 INT8"  # formats.WeightFormat's name of the one quantized format it splits
+
 # vLLM's prefetch offloader two layers ahead (the CPU's and the copy's times per layer vary by product)
 COPROC_PREFETCH_STEP = 2
 
@@ -36,7 +38,13 @@ class Coprocessor(Strategy):
         return None
 
     def refused_model(self, shape: ModelShape) -> str | None:
-        return unquantized(shape)  # its product server and the GPU's row split take plain weights only
+        fmt = shape.weight_format
+        if fmt.name == INT8_FORMAT:  # its int8 products: int8.py (the rest of the layer streams whole)
+            return None
+        if fmt.quantized:
+            return (f"unquantized weights (bf16, fp16 or fp32) or {INT8_FORMAT}: its CPU pod computes from plain or "
+                    f"int8 weights, and this checkpoint is {fmt.name} ({fmt.method})")
+        return unquantized(shape)
 
     def layout(self, plan: Plan, split: Split) -> Layout:
         self.require_gpu(plan)

@@ -8,6 +8,10 @@ tokens, each product of such a layer is split by rows: the offloader copies only
 weight and the GPU computes them, while the CPU pod computes rows [n0, N) from the same memory. Larger
 steps (prompt chunks) stream every row, as the plain offloader does; attention, norms and the KV cache
 stay on the GPU for every token (docs/design-gpu-prefill.md, design B).
+
+W8A8 INT8 checkpoints (int8.py): each int8 weight gets a room of N x (K + 4) bytes, which the CPU pod packs in place
+for its int8 GEMM; the offloader's GPU buffer is that room's size, the layer's weight the plain rows at its start
+(unpacked after each copy), and the GPU computes its rows as vLLM's CUTLASS W8A8 kernel does.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 from ...cpupod import packed
 from ...cpupod.server import RegionClient
+from . import int8
 from .io import DONE, LINE, MAX_ROWS, PRODUCT, REQ, TUNE_ENV, IoLayout, IoViews, encode
 from .shares import DEFAULT_SHARES, measured_shares, parse_shares, rows_of, shape_key, share_for
 
@@ -33,19 +38,36 @@ class GpuSide:
         self.io, self.memops = io, memops
         self.dev, (self.req, self.product, self.done) = memops.device_words(io.raw, LINE, (REQ, PRODUCT, DONE))
 
-    def linear(self, j: int, x: torch.Tensor, w_rows: torch.Tensor, n: int) -> torch.Tensor:
-        """x @ W.T for product j, W's rows [0, n0) given on the GPU (w_rows), the rest computed by the CPU pod."""
+    def linear(self, j: int, x: torch.Tensor, w_rows: torch.Tensor, n: int,
+               scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T for product j, W's rows [0, n0) given on the GPU (w_rows; int8 ones with their scales), the rest
+        computed by the CPU pod."""
         rows, k = x.shape
         n0 = w_rows.shape[0]
         mo = self.memops
         torch.mul(x, 1, out=self.io.x(j, rows, k, self.dev))  # a kernel writes host memory; copy_ might take the DMA engine
         mo.write(self.product, j)
         mo.write(self.req, encode(rows, n0))
-        y0 = torch.nn.functional.linear(x, w_rows) if n0 else None
+        y0 = None if not n0 else (torch.nn.functional.linear(x, w_rows) if scale_rows is None
+                                  else int8_mm(x, w_rows, scale_rows))
         mo.wait(self.done, 1)
         mo.write(self.done, 0)
         y = self.io.y(j, rows, n - n0, self.dev)
         return torch.cat([y0, y], dim=-1) if n0 else y.clone()  # the io buffer is the next product but one's
+
+
+def int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for int8 W (rows x K) with a scale per row, as vLLM's CUTLASS W8A8 kernel computes it
+    (CutlassInt8ScaledMMLinearKernel.apply_weights: x quantized per token, symmetric)."""
+    from vllm import _custom_ops as ops
+    xq, xs, _ = ops.scaled_int8_quant(x.contiguous(), None, None, symmetric=True)
+    return ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale, out_dtype=x.dtype)
+
+
+def plain_int8_rows(room: torch.Tensor, k: int) -> torch.Tensor:
+    """The plain N x K int8 rows at the start of a room (N x (K + 4) bytes; the region's or a GPU buffer)."""
+    n = room.shape[0]
+    return room.view(-1)[:n * k].view(n, k)
 
 
 def tune_split(forced: bool) -> bool:
@@ -76,17 +98,39 @@ def measure_copy(flat: torch.Tensor, nbytes: int, chunk: int = 64 << 20) -> floa
 
 @dataclass
 class Product:
-    cpu: torch.Tensor   # the weight in the shared region
+    cpu: torch.Tensor   # the weight in the shared region (int8: its room, N x (K + 4) bytes)
     boundary: bool      # prefetched across steps: always n0_fixed rows ahead
     n0_fixed: int
     table: list[tuple[int, float]]  # its shares by step size
     layer: int = 0      # the streamed layer it belongs to (the offloader copies a layer's products together)
     buffer: torch.Tensor | None = None  # the offloader's GPU buffer it is copied into (slot layer % prefetch_step)
     plain_rows: int = 0  # rows of the buffer unpacked ahead (unpack_ahead) for its next use; 0: unpack at use
+    scale: torch.Tensor | None = None      # int8: its rows' scales in the region (N float32)
+    gpu_scale: torch.Tensor | None = None  # int8: the layer's weight_scale (the offloader's GPU copy of those)
+    act_dtype: torch.dtype | None = None   # int8: the layer's activations (the io buffers')
 
     @property
     def n(self) -> int:
         return self.cpu.shape[0]
+
+    @property
+    def is_int8(self) -> bool:
+        return self.scale is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """N x K of the product (an int8 room's extra 4 bytes a row are not K)."""
+        return self.n, self.cpu.shape[1] - (packed.INT8_EXTRA if self.is_int8 else 0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (x and y in the io region)."""
+        return self.act_dtype or self.cpu.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n, k = self.shape
+        return n * k * (1 if self.is_int8 else self.cpu.element_size())
 
 
 class Client(RegionClient):
@@ -105,21 +149,39 @@ class Client(RegionClient):
         self.packed: str | None = None  # the CPU pod packed the products for this kernel: the GPU unpacks its copies
         self.tuned = None  # tune.Tuned: the passes timed at start
         self.unpack_stream: torch.cuda.Stream | None = None  # unpack_ahead's
+        self.int8_rooms: dict[int, torch.Tensor] = {}  # an int8 weight's room in the region, by its data pointer
 
     def open_weights(self, nbytes: int) -> str:
         return super().open_weights(nbytes, page_lock=True)  # the copy stream DMAs from it
 
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
-        """Room in the region for a tensor like `like` (contiguous, 4 KiB aligned); None when it is full."""
-        return self.room(like) if like.is_contiguous() else None
+        """Room in the region for a tensor like `like` (contiguous, 4 KiB aligned); None when it is full. An int8
+        weight (whole 32-row blocks, K in quads) gets room for its packed layout (int8.py), its plain rows first."""
+        if not like.is_contiguous():
+            return None
+        n, k = like.shape if like.ndim == 2 else (0, 0)
+        if like.dtype != torch.int8 or not n or n % packed.INT8_BLOCK or k % 4:
+            return self.room(like)
+        room = self.room(torch.empty(n, k + packed.INT8_EXTRA, dtype=torch.int8, device="meta"))
+        if room is None:
+            return None
+        self.int8_rooms[room.data_ptr()] = room
+        return plain_int8_rows(room, k)
+
+    def int8_room(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The room an int8 weight given out by take() lies at (t: those plain rows, or their transpose)."""
+        return self.int8_rooms.get(t.data_ptr()) if t.dtype == torch.int8 else None
 
     def holds(self, t: torch.Tensor) -> bool:
         base = self.flat.data_ptr()
         return t.device.type == "cpu" and base <= t.data_ptr() < base + self.wbytes
 
     def add_product(self, weight_cpu: torch.Tensor, boundary: bool, layer: int = 0,
-                    buffer: torch.Tensor | None = None) -> int:
-        self.products.append(Product(weight_cpu, boundary, 0, self.shares, layer, buffer))
+                    buffer: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                    gpu_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None) -> int:
+        """A split product: its weight in the region (an int8 one's room, with its scales there and on the GPU)."""
+        self.products.append(Product(weight_cpu, boundary, 0, self.shares, layer, buffer, 0, scale, gpu_scale,
+                                     act_dtype))
         self.fix_boundary(self.products[-1])
         return len(self.products) - 1
 
@@ -135,14 +197,16 @@ class Client(RegionClient):
         measured (the CPU pod's rates come with the reply), then tune that split on passes timed with the copy
         `depth` layers ahead (tune.py). Its thread count."""
         from ...cpupod import memops
-        dtype = self.products[0].cpu.dtype
+        dtype, is_int8 = self.products[0].dtype, self.products[0].is_int8
         base = self.flat.data_ptr()
         reply, self.io_map, nbytes = self._ask_region({
             "dtype": str(dtype).removeprefix("torch."), "max_rows": self.max_rows,
-            "products": [[p.cpu.data_ptr() - base, *p.cpu.shape] for p in self.products]})
+            **({"format": int8.FORMAT} if is_int8 else {}),
+            "products": [[p.cpu.data_ptr() - base, *p.shape, *([p.scale.data_ptr() - base] if is_int8 else [])]
+                         for p in self.products]})
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
         memops.register(raw.data_ptr(), nbytes)
-        layout = IoLayout.for_shapes([tuple(p.cpu.shape) for p in self.products], self.max_rows, dtype.itemsize)
+        layout = IoLayout.for_shapes([p.shape for p in self.products], self.max_rows, dtype.itemsize)
         self.gpu = GpuSide(IoViews(raw, layout, dtype))
         self.measured = dict(reply.get("measured") or {})
         self.packed = reply.get("packed")
@@ -164,14 +228,14 @@ class Client(RegionClient):
         if self.forced or not copy:
             return
         for p in self.products:
-            if (by_rows := rates.get(shape_key(*p.cpu.shape))) is not None:
+            if (by_rows := rates.get(shape_key(*p.shape))) is not None:
                 p.table = [(b, s) for b, s in measured_shares(copy, {int(t): v for t, v in by_rows.items()})
                            if b <= self.max_rows]
                 self.fix_boundary(p)
 
     def tables(self) -> dict[str, list[tuple[int, float]]]:
         """The split per product shape (for the log)."""
-        return {shape_key(*p.cpu.shape): p.table for p in self.products}
+        return {shape_key(*p.shape): p.table for p in self.products}
 
     def n0(self, j: int, rows: int) -> int | None:
         """Rows [0, n0) of product j the GPU copies and computes in a step of `rows` tokens; None: not split."""
@@ -195,6 +259,53 @@ class Client(RegionClient):
         if p.boundary:  # its prefetch held n0_fixed rows: the rest now, on this stream
             weight[p.n0_fixed:].copy_(p.cpu[p.n0_fixed:], non_blocking=True)
         return torch.nn.functional.linear(x, self.plain(weight, j))
+
+    def linear_int8(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """linear() for an int8 product: its weight is the buffer's plain rows (unpacked after the copy), its scales
+        the layer's weight_scale."""
+        rows = x.shape[0]
+        self.rows = rows
+        p = self.products[j]
+        if (n0 := self.n0(j, rows)) is not None and n0 < p.n:
+            return self.gpu.linear(j, x, self.plain_int8(j, n0), p.n, p.gpu_scale[:n0])
+        if p.boundary:  # its prefetch held n0_fixed rows: the rest now, on this stream
+            src, dst = self.copy_views(j, p.n, p.n0_fixed)
+            dst.copy_(src, non_blocking=True)
+        return int8_mm(x, self.plain_int8(j, p.n), p.gpu_scale)
+
+    def pass_linear(self, j: int, x: torch.Tensor, n0: int) -> torch.Tensor:
+        """Product j with its first n0 rows on the GPU (as copied into its buffer; n0 = N: every row there), for
+        tuning's timed passes."""
+        p = self.products[j]
+        if p.is_int8:
+            w = self.plain_int8(j, n0)
+            return self.gpu.linear(j, x, w, p.n, p.gpu_scale[:n0]) if n0 < p.n else int8_mm(x, w, p.gpu_scale)
+        if n0 < p.n:
+            return self.gpu.linear(j, x, self.plain(p.buffer[:n0]), p.n)
+        return torch.nn.functional.linear(x, self.plain(p.buffer))
+
+    def copy_views(self, j: int, stop: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, stop) of product j in the region and in its GPU buffer, as the copy takes them: an int8 room
+        kept plain (torch's kernel on the CPU pod) has its rows in the room's first N x K bytes."""
+        p = self.products[j]
+        if p.is_int8 and self.packed != "sgl-int8":
+            k = p.shape[1]
+            return plain_int8_rows(p.cpu, k)[start:stop], plain_int8_rows(p.buffer, k)[start:stop]
+        return p.cpu[start:stop], p.buffer[start:stop]
+
+    def plain_int8(self, j: int, rows: int) -> torch.Tensor:
+        """Product j's first `rows` rows, plain, where they lie in its buffer: unpacked in place unless unpack_ahead
+        did it for this use."""
+        p = self.products[j]
+        view = plain_int8_rows(p.buffer, p.shape[1])[:rows]
+        if self.packed != "sgl-int8" or not rows:
+            return view
+        if ahead := p.plain_rows:
+            p.plain_rows = 0
+            if ahead != rows:  # never: prefetch and use take the same step's rows
+                raise RuntimeError(f"coprocessor: product {j}: {ahead} rows unpacked ahead, {rows} used")
+            return view
+        return packed.unpack_int8_in_place(p.buffer[:rows])
 
     def plain(self, rows: torch.Tensor, j: int | None = None) -> torch.Tensor:
         """Rows of a weight as copied, in the plain layout (whole blocks of a packed one: cpupod/packed.py); those of
@@ -226,7 +337,10 @@ class Client(RegionClient):
         self.unpack_stream.wait_event(copied)
         with torch.cuda.stream(self.unpack_stream):
             for j, rows in copies:
-                packed.unpack_in_place(rows, self.packed)
+                if self.packed == "sgl-int8":
+                    packed.unpack_int8_in_place(rows)
+                else:
+                    packed.unpack_in_place(rows, self.packed)
                 self.products[j].plain_rows = rows.shape[0]
         return self.unpack_stream
 
@@ -244,3 +358,15 @@ def coproc_linear(x: torch.Tensor, weight: torch.Tensor, product: int) -> torch.
 @coproc_linear.register_fake
 def _(x, weight, product):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("hybrid::coproc_linear_int8", mutates_args=())
+def coproc_linear_int8(x: torch.Tensor, weight: torch.Tensor, product: int) -> torch.Tensor:
+    # weight: the layer's (K x N, vLLM's CUTLASS layout), for its shape; the product's buffer holds the rows
+    x2 = x.reshape(-1, x.shape[-1])
+    return CLIENT.linear_int8(x2, product).view(*x.shape[:-1], weight.shape[1])
+
+
+@coproc_linear_int8.register_fake
+def _(x, weight, product):
+    return x.new_empty((*x.shape[:-1], weight.shape[1]))

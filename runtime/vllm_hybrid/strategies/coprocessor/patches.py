@@ -6,11 +6,28 @@ import functools
 import os
 
 from ... import stage_metrics
+from ...cpupod.packed import INT8_EXTRA
 from .io import BYTES_ENV, SHARES_ENV, SOCKET_ENV
 from .shares import MEASURE_ROWS
 
 
-def patch_coprocessor(prefetch, linear) -> str | None:
+def int8_layer(owner) -> bool:
+    """A W8A8 INT8 layer the split computes as vLLM does on the GPU (compressed-tensors' W8A8 preset under CUTLASS:
+    int8 weights with a scale per output row, x quantized per token, symmetric, at run time)."""
+    scheme = getattr(owner, "scheme", None)
+    weight, scale = getattr(owner, "weight", None), getattr(owner, "weight_scale", None)
+    return (type(scheme).__name__ == "CompressedTensorsW8A8Int8"
+            and type(getattr(scheme, "kernel", None)).__name__ == "CutlassInt8ScaledMMLinearKernel"
+            and getattr(owner, "input_scale", None) is None and getattr(owner, "azp_adj", None) is None
+            and weight is not None and scale is not None and weight.ndim == 2 and scale.numel() == weight.shape[1])
+
+
+def owner_of(module, name: str):
+    """The layer a streamed parameter (`name`, dotted under `module`) belongs to."""
+    return module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+
+
+def patch_coprocessor(prefetch, linear, compressed_tensors=None) -> str | None:
     # strategy coprocessor (client.py), in the GPU worker; vLLM's prefetch offloader streams the cpu
     # stages' layers:
     # - vllm.model_executor.offloader.prefetch.PrefetchOffloader.wrap_modules: before the layers are
@@ -23,7 +40,10 @@ def patch_coprocessor(prefetch, linear) -> str | None:
     #   streamed layers becomes a product the CPU pod splits (manifest over the socket);
     # - _ModuleOffloader.start_onload_to_static: for a step the CPU pod helps with, only rows [0, n0)
     #   of those weights are copied (the upstream copy streams them whole);
-    # - UnquantizedLinearMethod.apply: those layers' products go through side.coproc_linear.
+    # - UnquantizedLinearMethod.apply: those layers' products go through side.coproc_linear;
+    # - CompressedTensorsLinearMethod.apply: a W8A8 INT8 layer's (int8_layer) through side.coproc_linear_int8. Its
+    #   weight's host copy is the room the client gave it (int8.py): the offloader's GPU buffer takes the room's
+    #   size (the CPU pod packs it in place), the layer's weight becomes the plain rows at the buffer's start.
     import torch
     from vllm.logger import init_logger
 
@@ -33,6 +53,8 @@ def patch_coprocessor(prefetch, linear) -> str | None:
     original_wrap, original_post_init = offloader_cls.wrap_modules, offloader_cls.post_init
     original_offload, original_update = param_cls._offload_to_cpu_internal, param_cls._update_cpu_storage_from_param
     original_apply = linear.UnquantizedLinearMethod.apply
+    ct_method = getattr(compressed_tensors, "CompressedTensorsLinearMethod", None)
+    original_ct_apply = ct_method.apply if ct_method else None
 
     @functools.wraps(original_wrap)
     def wrap_modules(self, modules_generator):
@@ -57,6 +79,11 @@ def patch_coprocessor(prefetch, linear) -> str | None:
     @functools.wraps(original_update)
     def _update_cpu_storage_from_param(self):
         param, storage = self._param, self._cpu_storage
+        room = side.CLIENT.int8_room(param.data) if side.CLIENT and param.data.device.type == "cpu" else None
+        if room is not None and int8_layer(owner_of(self._module, self._param_name)):
+            # processed where it lies (the CUTLASS layout is its transpose): the host copy is its whole room
+            self._cpu_storage = room
+            return
         if (side.CLIENT and storage is not None and side.CLIENT.holds(storage) and param.data.device.type == "cpu"
                 and param.data.data_ptr() != storage.data_ptr() and param.data.shape == storage.shape):
             storage.copy_(param.data)
@@ -69,16 +96,34 @@ def patch_coprocessor(prefetch, linear) -> str | None:
         client = side.CLIENT
         if client is None:
             return
+        plain, int8s = [], []
         for i, mod in enumerate(self.module_offloaders):
             for name, po in mod._param_offloaders.items():
-                owner = mod.module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else mod.module
-                if (name.endswith(".weight") and isinstance(getattr(owner, "quant_method", None), linear.UnquantizedLinearMethod)
-                        and po._cpu_storage is not None and po._cpu_storage.ndim == 2 and client.holds(po._cpu_storage)):
-                    # the first prefetch_step layers are prefetched across steps, before the next step's size is known
-                    owner._coproc_product = po._coproc_product = client.add_product(
-                        po._cpu_storage, i < self.prefetch_step, i, po._gpu_buffer)
+                owner = owner_of(mod.module, name)
+                if not (name.endswith(".weight") and po._cpu_storage is not None and po._cpu_storage.ndim == 2
+                        and client.holds(po._cpu_storage)):
+                    continue
+                if isinstance(getattr(owner, "quant_method", None), linear.UnquantizedLinearMethod):
+                    plain.append((i, owner, po))
+                elif po._cpu_storage is client.int8_room(po._cpu_storage):  # an int8_layer's (its whole room)
+                    k = po._cpu_storage.shape[1] - INT8_EXTRA
+                    # the layer reads the plain rows at the buffer's start, in CUTLASS's layout (K x N)
+                    owner.weight.data = side.plain_int8_rows(po._gpu_buffer, k).t()
+                    scale_po = mod._param_offloaders[name.rsplit(".", 1)[0] + ".weight_scale" if "." in name
+                                                     else "weight_scale"]
+                    int8s.append((i, owner, po, scale_po))
+        # one format a session (the CPU pod times one kernel family): a checkpoint's int8 layers where it has any;
+        # its plain ones then stream whole, as under the offloader
+        for i, owner, po, *scale in int8s or plain:
+            # the first prefetch_step layers are prefetched across steps, before the next step's size is known
+            extra = {} if not scale else {"scale": scale[0]._cpu_storage.view(-1), "gpu_scale": scale[0]._gpu_buffer,
+                                          "act_dtype": owner.params_dtype}
+            owner._coproc_product = po._coproc_product = client.add_product(
+                po._cpu_storage, i < self.prefetch_step, i, po._gpu_buffer, **extra)
         threads = client.publish(self.prefetch_step)
-        if client.tuned is not None:  # its passes used the buffers: the first layers' prefetch again, at the tuned rows
+        if client.tuned is not None or client.packed:
+            # the first layers' prefetch (upstream's, in post_init) copied the region before the CPU pod packed it,
+            # and tuning's passes used the buffers: those layers' prefetch again, at the split's rows
             for mod in self.module_offloaders[:self.prefetch_step]:
                 mod.start_onload_to_static()
         m = client.measured
@@ -113,7 +158,7 @@ def patch_coprocessor(prefetch, linear) -> str | None:
                 j = getattr(po, "_coproc_product", None)
                 if j is not None and client is not None:
                     rows = client.prefetch_rows(j)
-                    src, dst = src[:rows], dst[:rows]
+                    src, dst = client.copy_views(j, rows)
                     if client.unpacks_ahead(j, rows):
                         ahead.append((j, dst))
                 dst.copy_(src, non_blocking=True)
@@ -128,13 +173,22 @@ def patch_coprocessor(prefetch, linear) -> str | None:
         out = torch.ops.hybrid.coproc_linear(x, layer.weight, j)
         return out if bias is None else out + bias
 
+    def ct_apply(self, layer, x, bias=None):
+        j = getattr(layer, "_coproc_product", None)
+        if j is None:
+            return original_ct_apply(self, layer, x, bias)
+        out = torch.ops.hybrid.coproc_linear_int8(x, layer.weight, j)
+        return out if bias is None else out + bias
+
     offloader_cls.wrap_modules, offloader_cls.post_init = wrap_modules, post_init
     param_cls._offload_to_cpu_internal, param_cls._update_cpu_storage_from_param = (
         _offload_to_cpu_internal, _update_cpu_storage_from_param)
     module_cls.start_onload_to_static = start_onload_to_static
     linear.UnquantizedLinearMethod.apply = apply
-    return ("PrefetchOffloader + UnquantizedLinearMethod.apply(coprocessor: weights in the CPU pod's "
-                   "region, products split with it)")
+    if ct_method:
+        ct_method.apply = functools.wraps(original_ct_apply)(ct_apply)
+    return ("PrefetchOffloader + UnquantizedLinearMethod.apply + CompressedTensorsLinearMethod.apply(coprocessor: "
+            "weights in the CPU pod's region, products split with it)")
 
 
 def apply() -> list[str]:
@@ -143,5 +197,6 @@ def apply() -> list[str]:
     if current_platform.is_cpu() or not os.environ.get(SOCKET_ENV):
         return []
     from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors
     from vllm.model_executor.offloader import prefetch
-    return [patch_coprocessor(prefetch, linear)]
+    return [patch_coprocessor(prefetch, linear, compressed_tensors)]

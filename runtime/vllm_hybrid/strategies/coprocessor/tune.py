@@ -118,8 +118,8 @@ class Passes:
             self.copy.wait_event(fork)
             with torch.cuda.stream(self.copy):
                 for j in self.layers[i]:
-                    p = client.products[j]
-                    p.buffer[:n0s[j]].copy_(p.cpu[:n0s[j]], non_blocking=True)
+                    src, dst = client.copy_views(j, n0s[j])
+                    dst.copy_(src, non_blocking=True)
             self.ready[i % self.depth].record(self.copy)
 
         for i in range(min(self.depth, len(self.layers))):
@@ -128,11 +128,7 @@ class Passes:
             cur.wait_event(self.ready[i % self.depth])
             for j in js:
                 p = client.products[j]
-                x = self.x(rows, p.cpu.shape[1], p.cpu.dtype)
-                if n0s[j] < p.n:
-                    client.gpu.linear(j, x, client.plain(p.buffer[:n0s[j]]), p.n)
-                else:
-                    torch.nn.functional.linear(x, client.plain(p.buffer))
+                client.pass_linear(j, self.x(rows, p.shape[1], p.dtype), n0s[j])
             if i + self.depth < len(self.layers):
                 prefetch(i + self.depth)
 
@@ -174,7 +170,7 @@ def tune(client, depth: int, timer: Callable[[int, list[int]], float] | None = N
         """A pass with the CPU on every split row at its solo rates (the measured ones), ms; inf where not measured."""
         rates = client.measured.get("products_gbs") or {}
         try:
-            return sum(p.cpu.numel() * p.cpu.element_size() / rates[shape_key(*p.cpu.shape)][str(rows)] / 1e6
+            return sum(p.nbytes / rates[shape_key(*p.shape)][str(rows)] / 1e6
                        for p, s in zip(client.products, shares(rows, 1.0)) if s is not None)
         except KeyError:
             return float("inf")
