@@ -435,15 +435,16 @@ def planned_split(strategy: str, figures: dict | None = None, **expected):
 
 def node_figures() -> dict:
     """What a live `auto` measures of this node at start (vllm_hybrid.node): the cpu part in the CPU stage's
-    environment and cores, with the model's experts (its MoE kernel's call), then the gpu part (the host-to-GPU
+    environment and cores, with the model's experts (its MoE kernel's call) or int8 products, then the gpu part (the host-to-GPU
     copy), one after the other as the stages do."""
     from vllm_hybrid import node
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategies.experts.rates import SPEC_ENV, spec_of
-    spec, cpus = spec_of(model_shape(MODELS[MODEL])), cpu_tuning()["env"]["HYBRID_CPUS"]
+    shape, cpus = model_shape(MODELS[MODEL]), cpu_tuning()["env"]["HYBRID_CPUS"]
+    spec, products = spec_of(shape), node.products_of(shape)
     figures = {}
     cpu = {**CPU_ENV, "HYBRID_CPUS": cpus, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu",
-           **({SPEC_ENV: spec} if spec else {})}
+           **({SPEC_ENV: spec} if spec else {}), **({node.PRODUCTS_ENV: products} if products else {})}
     for part, env in (("cpu", cpu), ("gpu", GPU_ENV)):
         t0 = time.monotonic()
         figures |= node.measured_part(part, {**os.environ, **env})

