@@ -118,10 +118,10 @@ def build_stage(args, env: dict[str, str]):
     # set by the operator: 0 where the replica's pods do not share /dev/shm (no GEMM helper then)
     shared_shm = env.get("HYBRID_SHM_SHARED", "1") == "1"
     shape, hw = model_shape(read_model_config(plan.model), plan.dtype), None
-    if node.needed(plan, shared_shm):  # auto: from what the stages measure of this node, the same for all
+    if node.needed(plan, shared_shm, shape):  # auto, experts: from what the stages measure of this node, alike for all
         from .strategies.experts.rates import spec_of
         figures = node.figures_for(plan, ident.stage, ident.replica, env, experts=spec_of(shape),
-                                   products=node.products_of(shape))
+                                   products=node.products_of(shape), needs=node.parts_needed(plan, ident.stage))
         hw, env[node.FIGURES_ENV] = node.hardware(plan, figures), json.dumps(figures)
         log.info("node measured at start: %s; the cost model's figures: %s%s", figures, node.used(hw),
                  " (spec.hardware overrides " + ", ".join(k for k, _ in plan.hardware) + ")" if plan.hardware else "")

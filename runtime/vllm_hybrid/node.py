@@ -41,10 +41,23 @@ def products_of(shape) -> str | None:
     return "int8" if shape.weight_format.name == INT8_FORMAT else None
 
 
-def needed(plan: Plan, shared_shm: bool) -> bool:
-    """Only `auto` over gpu and cpu stages that share /dev/shm measures (elsewhere every stage reads the plan)."""
-    devices = {s.is_cpu for s in plan.stages}
-    return plan.strategy == "auto" and shared_shm and devices == {True, False}
+def needed(plan: Plan, shared_shm: bool, shape=None) -> bool:
+    """`auto` over gpu and cpu stages that share /dev/shm measures; so does `experts` for a mixture of experts its pod
+    computes (the limit on the pod's steps, pod_rows, follows the measured MoE call and copy; unless the plan's
+    `hardware` gives moe_expert_gbs). Elsewhere every stage reads the plan."""
+    if not shared_shm or {s.is_cpu for s in plan.stages} != {True, False}:
+        return False
+    if plan.strategy == "auto":
+        return True
+    from .strategies.experts.rates import spec_of
+    return (plan.strategy == "experts" and shape is not None and spec_of(shape) is not None
+            and "moe_expert_gbs" not in dict(plan.hardware))
+
+
+def parts_needed(plan: Plan, stage: int) -> tuple[str, ...]:
+    """The parts a stage resolves its plan from: every one under auto (all stages pick alike); under experts only the
+    gpu stage's flags follow them (pod_rows), so its cpu stage measures its part and goes on."""
+    return ("cpu",) if plan.strategy == "experts" and plan.stages[stage].is_cpu else ("cpu", "gpu")
 
 
 def part_of(plan: Plan, stage: int) -> str | None:
@@ -137,7 +150,8 @@ def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part,
-                experts: str | None = None, products: str | None = None) -> dict[str, float]:
+                experts: str | None = None, products: str | None = None,
+                needs: tuple[str, ...] = ("cpu", "gpu")) -> dict[str, float]:
     """This stage's part measured and published where it is the one to measure and nobody has (a stage restarted
     alone keeps its peers' figures), then every part, once all are there. experts: the model's (rates.spec_of),
     which the cpu part times its MoE kernel on. The gpu part waits for the cpu part: the
@@ -174,6 +188,8 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
         os.replace(tmp, paths[mine])  # whole or absent: a peer never reads half a file
     out = {}
     for part, path in paths.items():
+        if part not in needs:
+            continue
         wait(part)
         with open(path) as f:
             out.update(json.load(f))

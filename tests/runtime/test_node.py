@@ -69,6 +69,22 @@ def test_the_spec_names_the_models_experts_as_the_pod_computes_them():
     assert rates.spec_of(model_shape(LLAMA_3_1_8B)) is None  # dense: no MoE kernel to time
 
 
+def test_auto_measures_and_so_does_experts_for_a_mixture_its_pod_computes():
+    """auto over a gpu and a cpu stage sharing /dev/shm measures; experts too (its pod's step limit follows the
+    measured MoE call), for a mixture of experts in a format its pod computes, unless spec.hardware gives the figure;
+    under experts the cpu stage reads only its own part."""
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+    moe, dense = model_shape(MIXTRAL_8X7B, "bfloat16"), model_shape(LLAMA_3_1_8B)
+    plans = {name: plan_from_dict({**RAW, "strategy": name}) for name in ("auto", "experts", "pipeline")}
+    assert node.needed(plans["auto"], True) and not node.needed(plans["auto"], False)
+    assert node.needed(plans["experts"], True, moe) and not node.needed(plans["experts"], True, dense)
+    assert not node.needed(plans["pipeline"], True, moe) and not node.needed(plans["experts"], False, moe)
+    given = plan_from_dict({**RAW, "strategy": "experts", "hardware": {"moe_expert_gbs": 70.0}})
+    assert not node.needed(given, True, moe)
+    assert node.parts_needed(plans["experts"], 1) == ("cpu",) and node.parts_needed(plans["experts"], 0) == ("cpu", "gpu")
+    assert node.parts_needed(plans["auto"], 1) == ("cpu", "gpu")
+
+
 def test_the_moe_call_fit_recovers_a_line_and_drops_a_negative_term():
     line = rates.CallCost(2e-4, 40.0, 3e-6)
     calls = [(e, p, line.seconds(e, p, 10_000_000)) for e, p in ((1, 1), (8, 8), (27, 32), (73, 128), (100, 512))]
@@ -76,6 +92,9 @@ def test_the_moe_call_fit_recovers_a_line_and_drops_a_negative_term():
     flat = [(e, p, 1e-3) for e, p, _ in calls]  # the same time whatever the call: its fixed cost, nothing per expert
     got = rates.fit(flat, 10_000_000)
     assert (got.call_s, got.pair_s) == (1e-3, 0.0) and got.expert_gbs > 0
+    # tiny experts whose whole call fits as bytes (a tiny MoE's on 2 cores): a slow read, above zero (0 = not measured)
+    slow = rates.fit([(1, 1, 1e-3), (2, 4, 2e-3), (4, 16, 4e-3)], 5_000)
+    assert 0 < slow.expert_gbs < 0.05 and slow.seconds(4, 16, 5_000) > 0
 
 
 def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():

@@ -2,6 +2,7 @@
 (the test plays the main stage, through the same client vLLM's patch uses), placement, and a tiny Mixtral whose
 remote experts live in a separate server process giving single-process vLLM's greedy tokens. The CUDA end
 (memops in CUDA graphs) runs in tests/gpu."""
+import ast
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import yaml
 from cpu_servers import INTER, E, H, K, bench_script, experts_session, make_experts, start_server
 from pipelines import MAX_TOKENS, PROMPTS, reference
 from strategy_plans import CPU, GPU, MIXTRAL_CPU, MIXTRAL_GPU, mixtral_plan, planned
+from vllm_hybrid import node
 from vllm_hybrid.cpupod.packed import unpack
 from vllm_hybrid.identity import Identity
 from vllm_hybrid.launcher import resolve_stage, vllm_command, vllm_env
@@ -349,20 +351,27 @@ def test_cli_runs_the_expert_server_on_the_cpu_stage_and_vllm_with_every_layer_o
                                               {"name": "cpu", "device": "cpu", "layers": 2, "cpus": 4, "memory": "4Gi"}]}
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
-    env = {**os.environ, "HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
+    env = {**os.environ, "HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t", "CUDA_VISIBLE_DEVICES": "",
+           node.MEASURE_BYTES_ENV: str(64 << 20)}
     run = lambda stage, cpus: subprocess.run(
         [sys.executable, "-m", "vllm_hybrid.cli", "serve", "--plan", str(path), "--stage", stage, "--dry-run"],
         capture_output=True, text=True, timeout=120, env={**env, "HYBRID_CPUS": cpus})
     resolved = lambda r: json.loads(r.stdout.split("vllm-hybrid resolved ", 1)[1].splitlines()[0])
+    measured = lambda r: next(line for line in r.stderr.splitlines() if "node measured at start" in line)
     cpu = run("1", "0-3")
     assert cpu.returncode == 0, cpu.stderr
     assert resolved(cpu)["role"] == "experts" and resolved(cpu)["for_stage"] == 0 and resolved(cpu)["cpus"] == "0-3"
     assert f"-m vllm_hybrid.strategies.experts.server --socket {tmp_path}/hybrid-t-r0-s1.experts --metrics-port" in cpu.stdout
+    # the cpu stage timed the model's MoE kernel on its cores and went on (its command does not follow the figures)
+    assert "'moe_expert_gbs'" in measured(cpu) and "'copy_gbs'" not in measured(cpu)
     gpu = run("0", "0-1")
     assert gpu.returncode == 0, gpu.stderr
     # explicit layers (no GPU memory to size by): the cpu stage's 2 layers' worth of experts, 2 of each layer's 4
     assert resolved(gpu)["cpu_experts"] == 8 and resolved(gpu)["experts"].endswith("s1.experts")
-    assert "--max-cudagraph-capture-size 64" in gpu.stdout
+    # the gpu stage read the cpu part (no copy rate without CUDA: the model's own): the pod's step limit follows them
+    figures = ast.literal_eval(measured(gpu).split("node measured at start: ", 1)[1].split("; the cost model", 1)[0])
+    rows = resolved(gpu)["pod_rows"]
+    assert figures["moe_expert_gbs"] > 0 and f"--max-cudagraph-capture-size {rows}" in gpu.stdout
     assert resolved(gpu)["placement"] == "evenly (no routing counts yet)"
     # routing counts an earlier run kept (in VLLM_CACHE_ROOT, a pod's cache volume): the least-routed go remote
     env["VLLM_CACHE_ROOT"] = str(tmp_path / "cache")

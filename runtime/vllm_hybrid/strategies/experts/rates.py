@@ -58,7 +58,9 @@ def fit(points: list[tuple[float, float, float]], expert_bytes: int) -> CallCost
         keep.pop(int(np.argmin(coef)))
     full = dict.fromkeys(range(3), 0.0) | dict(zip(keep, coef.clip(min=0).tolist()))
     per_gb = full[1] or min(s for _, _, s in points) / (max(e for e, _, _ in points) * expert_bytes / 1e9)
-    return CallCost(round(full[0], 7), round(1 / per_gb, 1), round(full[2], 9))
+    # four significant figures: a slow read (tiny, cache-bound experts: most of a call's time fitted as bytes) stays
+    # above zero, which means "not measured" to the cost model (a tiny MoE's rounded to 0.0 and divided by it)
+    return CallCost(round(full[0], 7), float(f"{1 / per_gb:.4g}"), round(full[2], 9))
 
 
 def call_seconds(layer, steps: list, seconds: float = MEASURE_S) -> float:
