@@ -114,6 +114,12 @@ def patch_coprocessor(prefetch, linear, compressed_tensors=None) -> str | None:
                     int8s.append((i, owner, po, scale_po))
         # one format a session (the CPU pod times one kernel family): a checkpoint's int8 layers where it has any;
         # its plain ones then stream whole, as under the offloader
+        if not int8s and not plain:
+            raise RuntimeError(
+                "strategy coprocessor: none of the streamed layers' products can be split with the CPU pod: it takes "
+                "plain weights, or W8A8 INT8 ones with a scale per output row and activations quantized per token at "
+                "run time, symmetric (compressed-tensors' W8A8 preset, on vLLM's CUTLASS kernel); use strategy "
+                "offload or pipeline for this checkpoint")
         for i, owner, po, *scale in int8s or plain:
             # the first prefetch_step layers are prefetched across steps, before the next step's size is known
             extra = {} if not scale else {"scale": scale[0]._cpu_storage.view(-1), "gpu_scale": scale[0]._gpu_buffer,
