@@ -69,20 +69,37 @@ class CoprocSession:
     io: coproc_io.IoViews
 
 
-def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: subprocess.Popen,
-                   timeout: float = 60.0) -> CoprocSession:
-    """The GPU worker's start of a session: the weights region asked for and filled as its loader does, the
-    manifest of products sent, the io region mapped."""
-    dtype, elem = weights[0].dtype, weights[0].element_size()
+def connect(path: str, proc: subprocess.Popen, timeout: float) -> socket.socket:
+    """The main stage's connection to a server still starting (`proc`: it must not have died meanwhile)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     end = time.monotonic() + timeout
     while True:
         try:
             sock.connect(path)
-            break
+            return sock
         except (FileNotFoundError, ConnectionRefusedError):
             assert time.monotonic() < end and proc.poll() is None, "server did not listen"
             time.sleep(0.1)
+
+
+def io_of(sock: socket.socket, first: dict, shapes: list[tuple[int, int]], max_rows: int, dtype: torch.dtype
+          ) -> tuple[dict, coproc_io.IoViews]:
+    """The manifest's reply and the io region it hands over (x and y in `dtype`), both descriptors closed (the
+    mappings keep the regions)."""
+    reply = recv_msg(sock, max_fds=1)
+    iomap, _ = hostmem.open_fd(reply["fds"][0])
+    for fd in (first["fds"][0], reply["fds"][0]):
+        os.close(fd)
+    layout = coproc_io.IoLayout.for_shapes(shapes, max_rows, dtype.itemsize)
+    return reply, coproc_io.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), layout, dtype)
+
+
+def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: subprocess.Popen,
+                   timeout: float = 60.0) -> CoprocSession:
+    """The GPU worker's start of a session: the weights region asked for and filled as its loader does, the
+    manifest of products sent, the io region mapped."""
+    dtype, elem = weights[0].dtype, weights[0].element_size()
+    sock = connect(path, proc, timeout)
     total = sum(w.numel() for w in weights) * elem
     send_msg(sock, {"weights_bytes": total})
     first = recv_msg(sock, max_fds=1)
@@ -92,12 +109,7 @@ def coproc_session(path: str, weights: list[torch.Tensor], max_rows: int, proc: 
     offsets = list(itertools.accumulate((w.numel() * elem for w in weights[:-1]), initial=0))
     send_msg(sock, {"dtype": str(dtype).removeprefix("torch."), "max_rows": max_rows,
                     "products": [[o, *w.shape] for o, w in zip(offsets, weights)]})
-    reply = recv_msg(sock, max_fds=1)
-    iomap, _ = hostmem.open_fd(reply["fds"][0])
-    for fd in (first["fds"][0], reply["fds"][0]):
-        os.close(fd)  # the mappings keep the regions
-    io = coproc_io.IoViews(torch.frombuffer(iomap, dtype=torch.uint8),
-                        coproc_io.IoLayout.for_shapes([tuple(w.shape) for w in weights], max_rows, elem), dtype)
+    reply, io = io_of(sock, first, [tuple(w.shape) for w in weights], max_rows, dtype)
     return CoprocSession(sock, first["describe"], size, flat, offsets, reply, io)
 
 
@@ -107,15 +119,7 @@ def coproc_int8_session(path: str, weights: list[tuple[torch.Tensor, torch.Tenso
     """coproc_session for W8A8 INT8 products (`weights`: int8 N x K and its N float32 scales each): each weight in a
     room of N x (K + 4) bytes (its first N x K bytes, as the GPU worker's loader writes it), the scales after them.
     The session's `region` is the flat uint8 region, `offsets` each room's."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            sock.connect(path)
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            assert time.monotonic() < end and proc.poll() is None, "server did not listen"
-            time.sleep(0.1)
+    sock = connect(path, proc, timeout)
     rooms = [n * (k + 4) for n, k in (w.shape for w, _ in weights)]
     offsets = list(itertools.accumulate(rooms[:-1], initial=0))
     scale_at = list(itertools.accumulate((4 * w.shape[0] for w, _ in weights[:-1]), initial=sum(rooms)))
@@ -129,12 +133,7 @@ def coproc_int8_session(path: str, weights: list[tuple[torch.Tensor, torch.Tenso
         flat[at:at + 4 * s.numel()].view(torch.float32).copy_(s)
     send_msg(sock, {"dtype": str(act_dtype).removeprefix("torch."), "format": "int8", "max_rows": max_rows,
                     "products": [[o, *w.shape, at] for o, (w, _), at in zip(offsets, weights, scale_at)]})
-    reply = recv_msg(sock, max_fds=1)
-    iomap, _ = hostmem.open_fd(reply["fds"][0])
-    for fd in (first["fds"][0], reply["fds"][0]):
-        os.close(fd)
-    io = coproc_io.IoViews(torch.frombuffer(iomap, dtype=torch.uint8), coproc_io.IoLayout.for_shapes(
-        [tuple(w.shape) for w, _ in weights], max_rows, act_dtype.itemsize), act_dtype)
+    reply, io = io_of(sock, first, [tuple(w.shape) for w, _ in weights], max_rows, act_dtype)
     return CoprocSession(sock, first["describe"], size, flat, offsets, reply, io)
 
 

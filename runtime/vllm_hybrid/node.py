@@ -88,8 +88,10 @@ def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str
     count = max(2, nbytes // (n * k * elem))  # distinct weights beyond the caches: each read comes from DRAM
     out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
     if products == "int8":  # as the coprocessor's server would, in rooms of its packed layout
+        from .cpupod.packed import INT8_EXTRA
         from .strategies.coprocessor.int8 import Int8Weight
-        ws = [Int8Weight.in_room(torch.ones(n, k + 4, dtype=torch.int8), torch.full((n,), 0.01)) for _ in range(count)]
+        ws = [Int8Weight.in_room(torch.ones(n, k + INT8_EXTRA, dtype=torch.int8), torch.full((n,), 0.01))
+              for _ in range(count)]
         kernel, rates, _ = choose_int8_kernel(ws, kernel_choice(), torch.bfloat16)
     else:
         ws = [torch.full((n, k), 0.01, dtype=torch.bfloat16) for _ in range(count)]

@@ -71,11 +71,17 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return body.transpose(1, 2).reshape(n, k)
 
 
+def int8_plain_rows(room: torch.Tensor) -> torch.Tensor:
+    """The n x K int8 rows a room of n x (K + 4) bytes holds plain at its start (its other n x 4 bytes unused until
+    it is packed): how the region, a GPU buffer and rows unpacked in place hold an int8 weight plain."""
+    n, k = room.shape[0], room.shape[1] - INT8_EXTRA
+    return room.view(-1)[:n * k].view(n, k)
+
+
 def unpack_int8_in_place(packed: torch.Tensor) -> torch.Tensor:
-    """Rows packed for sgl-int8 made plain where they lie: the plain n x K rows at the start of their own bytes
-    (the rest, n x 4 bytes, left as it was). Returns the plain view."""
-    n, k = packed.shape[0], packed.shape[1] - INT8_EXTRA
-    return packed.view(-1)[:n * k].view(n, k).copy_(unpack_int8(packed))
+    """Rows packed for sgl-int8 made plain where they lie (int8_plain_rows; the rest of their bytes left as they
+    were). Returns the plain view."""
+    return int8_plain_rows(packed).copy_(unpack_int8(packed))
 
 
 def vllm_cpu_ops(*names: str) -> bool:
@@ -87,30 +93,27 @@ def vllm_cpu_ops(*names: str) -> bool:
     return all(hasattr(torch.ops._C, n) for n in names)
 
 
-def sgl_runs_here() -> bool:
-    """vllm-cpu's sgl kernels run on this CPU: AMX, whose tiles the process must be granted first (vLLM's CPU worker
-    does it for its own kernels), or AVX512-BF16 (their small-batch path; vLLM itself picks them on AMX only, but on
-    an AMD EPYC they read one-row products at 2x torch's rate: the servers time both)."""
+def _amx_or(flag: str) -> bool:
+    """AMX, whose tiles the process must be granted first (vLLM's CPU worker does it for its own kernels), or the
+    CPU flag of the kernels' path without it."""
     if torch.cpu._is_amx_tile_supported():
         return bool(torch._C._cpu._init_amx())
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read(1 << 16).split()
+            return flag in f.read(1 << 16).split()
     except OSError:
         return False
+
+
+def sgl_runs_here() -> bool:
+    """vllm-cpu's sgl kernels run on this CPU: AMX or AVX512-BF16 (their small-batch path; vLLM itself picks them on
+    AMX only, but on an AMD EPYC they read one-row products at 2x torch's rate: the servers time both)."""
+    return _amx_or("avx512_bf16")
 
 
 def sgl_int8_runs_here() -> bool:
-    """vllm-cpu's int8 GEMM runs on this CPU: AMX (tiles granted as for sgl_runs_here) or AVX512-VNNI."""
-    if not vllm_cpu_ops("int8_scaled_mm_with_quant", "convert_weight_packed"):
-        return False
-    if torch.cpu._is_amx_tile_supported():
-        return bool(torch._C._cpu._init_amx())
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_vnni" in f.read(1 << 16).split()
-    except OSError:
-        return False
+    """vllm-cpu's int8 GEMM runs on this CPU: AMX or AVX512-VNNI."""
+    return vllm_cpu_ops("int8_scaled_mm_with_quant", "convert_weight_packed") and _amx_or("avx512_vnni")
 
 
 def sgl_linear_runs(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> bool:

@@ -64,12 +64,6 @@ def int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale, out_dtype=x.dtype)
 
 
-def plain_int8_rows(room: torch.Tensor, k: int) -> torch.Tensor:
-    """The plain N x K int8 rows at the start of a room (N x (K + 4) bytes; the region's or a GPU buffer)."""
-    n = room.shape[0]
-    return room.view(-1)[:n * k].view(n, k)
-
-
 def tune_split(forced: bool) -> bool:
     """HYBRID_COPROC_TUNE: unset, tune a measured split on timed passes (tune.py), not one HYBRID_COPROC_SHARES
     forced; 1: tune that one too (it is where the search starts); 0: never."""
@@ -166,7 +160,7 @@ class Client(RegionClient):
         if room is None:
             return None
         self.int8_rooms[room.data_ptr()] = room
-        return plain_int8_rows(room, k)
+        return packed.int8_plain_rows(room)
 
     def int8_room(self, t: torch.Tensor) -> torch.Tensor | None:
         """The room an int8 weight given out by take() lies at (t: those plain rows, or their transpose)."""
@@ -289,15 +283,14 @@ class Client(RegionClient):
         kept plain (torch's kernel on the CPU pod) has its rows in the room's first N x K bytes."""
         p = self.products[j]
         if p.is_int8 and self.packed != "sgl-int8":
-            k = p.shape[1]
-            return plain_int8_rows(p.cpu, k)[start:stop], plain_int8_rows(p.buffer, k)[start:stop]
+            return packed.int8_plain_rows(p.cpu)[start:stop], packed.int8_plain_rows(p.buffer)[start:stop]
         return p.cpu[start:stop], p.buffer[start:stop]
 
     def plain_int8(self, j: int, rows: int) -> torch.Tensor:
         """Product j's first `rows` rows, plain, where they lie in its buffer: unpacked in place unless unpack_ahead
         did it for this use."""
         p = self.products[j]
-        view = plain_int8_rows(p.buffer, p.shape[1])[:rows]
+        view = packed.int8_plain_rows(p.buffer)[:rows]
         if self.packed != "sgl-int8" or not rows:
             return view
         if ahead := p.plain_rows:

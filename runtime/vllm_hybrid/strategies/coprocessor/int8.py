@@ -35,8 +35,7 @@ class Int8Weight:
 
     @classmethod
     def in_room(cls, room: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
-        n, k = room.shape[0], room.shape[1] - packed.INT8_EXTRA
-        return cls(room.view(-1)[:n * k].view(n, k), scale, False, room)
+        return cls(packed.int8_plain_rows(room), scale, False, room)
 
     @property
     def shape(self) -> tuple[int, int]:

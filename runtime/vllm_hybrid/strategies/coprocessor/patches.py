@@ -6,7 +6,7 @@ import functools
 import os
 
 from ... import stage_metrics
-from ...cpupod.packed import INT8_EXTRA
+from ...cpupod.packed import int8_plain_rows
 from .io import BYTES_ENV, SHARES_ENV, SOCKET_ENV
 from .shares import MEASURE_ROWS
 
@@ -106,9 +106,8 @@ def patch_coprocessor(prefetch, linear, compressed_tensors=None) -> str | None:
                 if isinstance(getattr(owner, "quant_method", None), linear.UnquantizedLinearMethod):
                     plain.append((i, owner, po))
                 elif po._cpu_storage is client.int8_room(po._cpu_storage):  # an int8_layer's (its whole room)
-                    k = po._cpu_storage.shape[1] - INT8_EXTRA
                     # the layer reads the plain rows at the buffer's start, in CUTLASS's layout (K x N)
-                    owner.weight.data = side.plain_int8_rows(po._gpu_buffer, k).t()
+                    owner.weight.data = int8_plain_rows(po._gpu_buffer).t()
                     scale_po = mod._param_offloaders[name.rsplit(".", 1)[0] + ".weight_scale" if "." in name
                                                      else "weight_scale"]
                     int8s.append((i, owner, po, scale_po))
@@ -171,28 +170,24 @@ def patch_coprocessor(prefetch, linear, compressed_tensors=None) -> str | None:
         self._copy_done_event.record(client.unpack_ahead(ahead, self.copy_stream) if ahead else self.copy_stream)
         self._event_valid_for_eager = not torch.cuda.is_current_stream_capturing()
 
-    @functools.wraps(original_apply)
-    def apply(self, layer, x, bias=None):
-        j = getattr(layer, "_coproc_product", None)
-        if j is None:
-            return original_apply(self, layer, x, bias)
-        out = torch.ops.hybrid.coproc_linear(x, layer.weight, j)
-        return out if bias is None else out + bias
-
-    def ct_apply(self, layer, x, bias=None):
-        j = getattr(layer, "_coproc_product", None)
-        if j is None:
-            return original_ct_apply(self, layer, x, bias)
-        out = torch.ops.hybrid.coproc_linear_int8(x, layer.weight, j)
-        return out if bias is None else out + bias
+    def split_apply(original, op):
+        """A linear method's apply: a split product's layer through `op`, every other layer as upstream."""
+        @functools.wraps(original)
+        def apply(self, layer, x, bias=None):
+            j = getattr(layer, "_coproc_product", None)
+            if j is None:
+                return original(self, layer, x, bias)
+            out = op(x, layer.weight, j)
+            return out if bias is None else out + bias
+        return apply
 
     offloader_cls.wrap_modules, offloader_cls.post_init = wrap_modules, post_init
     param_cls._offload_to_cpu_internal, param_cls._update_cpu_storage_from_param = (
         _offload_to_cpu_internal, _update_cpu_storage_from_param)
     module_cls.start_onload_to_static = start_onload_to_static
-    linear.UnquantizedLinearMethod.apply = apply
+    linear.UnquantizedLinearMethod.apply = split_apply(original_apply, torch.ops.hybrid.coproc_linear)
     if ct_method:
-        ct_method.apply = functools.wraps(original_ct_apply)(ct_apply)
+        ct_method.apply = split_apply(original_ct_apply, torch.ops.hybrid.coproc_linear_int8)
     return ("PrefetchOffloader + UnquantizedLinearMethod.apply + CompressedTensorsLinearMethod.apply(coprocessor: "
             "weights in the CPU pod's region, products split with it)")
 
