@@ -579,9 +579,12 @@ def main(names):
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         sys.exit(f"unknown configuration {unknown}; known: {list(CONFIGS)}")
-    model = make_shaped_model(OUT / f"model-{MODEL}-shape", MODELS[MODEL])
     results_path = OUT / "gpu_bench.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    # one file, one model: report.py takes the bound's bytes from it (checked before a model is built)
+    if results.setdefault("model", MODEL) != MODEL:
+        sys.exit(f"{results_path} holds runs of {results['model']}, not {MODEL}: give HYBRID_BENCH_OUT a folder of its own")
+    model = make_shaped_model(OUT / f"model-{MODEL}-shape", MODELS[MODEL])
     # every call measures again and the bound takes the fastest read: one H100 box read 96.1 GB/s at one call
     # and 117.8 at a call ten minutes later, and a bound holds only if nothing beats it
     results["dram_reads_gbs"] = results.get("dram_reads_gbs") or (

@@ -6,16 +6,15 @@ import re
 import sys
 from pathlib import Path
 
+from gpu_bench import MODELS
 from vllm_hybrid import node
 from vllm_hybrid.plan import plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
 from vllm_hybrid.strategies import resolve
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B
 
 ORDER = ("a-all-gpu", "b-offload", "b-offload-uva", "b-prefetch-plain", "b-offload-plain", "c-cpu-first", "c-gpu-first",
          "c-cpu-first-2batches", "d-balanced", "d-balanced-huge", "e-coproc", "e-coproc-huge", "e-coproc-untuned", "e-coproc-sgl",
          "e-coproc-torch", "e-coproc-passive", "e-auto")
-SHAPE = model_shape(LLAMA_3_1_8B, "bfloat16")
 PICKED = {"pipeline": ("c-cpu-first", "c-cpu-first-2batches"), "offload": ("b-offload",),
           "balanced": ("d-balanced-huge", "d-balanced"), "coprocessor": ("e-coproc-huge", "e-coproc", "e-coproc-untuned", "e-coproc-sgl",
                                                                   "e-coproc-torch", "e-coproc-passive")}
@@ -36,7 +35,18 @@ def node_figures(r: dict, dram: float) -> dict[str, float]:
     return figures
 
 
-def auto_pick(concurrency: int, figures: dict[str, float]) -> str:
+def served_model(r: dict) -> str:
+    """The model a file's runs served: its own field, else the shape folder a run's plan names (files before it)."""
+    paths = (s.get("model", "") for run in r.values() if isinstance(run, dict) for s in run.get("resolved", []))
+    named = (m.group(1) for p in paths if (m := re.search(r"model-(.+)-shape", p)))
+    return r.get("model") or next(named, "llama-3.1-8b")
+
+
+def shape_of(r: dict):
+    return model_shape(MODELS[served_model(r)], "bfloat16")
+
+
+def auto_pick(concurrency: int, figures: dict[str, float], shape) -> str:
     """What `strategy: auto` runs for the CPU-first 16+16 plan at this concurrency on this box, from the figures
     its stages would measure there."""
     plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "auto",
@@ -44,7 +54,7 @@ def auto_pick(concurrency: int, figures: dict[str, float]) -> str:
                            "expected_prompt_tokens": 128, "expected_output_tokens": 128,
                            "stages": [{"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "24Gi"},
                                       {"name": "gpu", "device": "gpu", "layers": 16}]})
-    lay, _ = resolve(plan, split_layers(plan, SHAPE), node.hardware(plan, figures))
+    lay, _ = resolve(plan, split_layers(plan, shape), node.hardware(plan, figures))
     return lay.strategy
 
 
@@ -55,7 +65,8 @@ def cpu_stage_efficiency(r: dict, name: str, dram: float) -> str | None:
         return None
     cpu_index = 0 if "cpu-first" in name else 1
     step_ms = run["waves"][0]["stage_forward_ms"][cpu_index]
-    weights = 16 * SHAPE.layer_bytes + (SHAPE.embedding_bytes if cpu_index == 1 else 0)  # + LM head when last
+    shape = shape_of(r)
+    weights = 16 * shape.layer_bytes + (shape.embedding_bytes if cpu_index == 1 else 0)  # + LM head when last
     bound_ms = 1e3 * weights / (dram * 1e9)
     return (f"{name}: CPU stage {step_ms:.1f} ms per step for {weights / 1e9:.2f} GB of weights; "
             f"bound {bound_ms:.1f} ms at {dram} GB/s: **{bound_ms / step_ms:.0%}**")
@@ -65,10 +76,10 @@ GPU_STEP_MS = 5.0  # the all-GPU step of this shape (a-all-gpu's TPOT at 1 where
 
 
 def bound_ms(r: dict, dram: float) -> float:
-    """A small-batch step's memory bound: the 16 CPU-resident layers (6.98 GB) read once from DRAM, whoever reads
-    them (copy engine or CPU), plus the all-GPU step."""
+    """A small-batch step's memory bound: the 16 CPU-resident layers (bf16 6.98 GB, W8A8 INT8 3.49 GB with its
+    scales) read once from DRAM, whoever reads them (copy engine or CPU), plus the all-GPU step."""
     gpu = r["a-all-gpu"]["waves"][0]["tpot_ms"] if "waves" in r.get("a-all-gpu", {}) else GPU_STEP_MS
-    return 1e3 * 16 * SHAPE.layer_bytes / (dram * 1e9) + gpu
+    return 1e3 * 16 * shape_of(r).layer_bytes / (dram * 1e9) + gpu
 
 
 PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-experts-sgl", "p-experts-grouped",
@@ -144,11 +155,11 @@ def main(path="bench/results/gpu_bench.json"):
         if "e-auto" in configs:  # a live run: what its stages resolved on the figures they measured
             pick, auto = f"{r['e-auto'].get('picked') or r['e-auto']['resolved'][0]['strategy']} (live)", f"{at('e-auto', i) / top:.2f}x"
         else:
-            pick = auto_pick(c, figures)
+            pick = auto_pick(c, figures, shape_of(r))
             picked = next((k for k in PICKED[pick] if k in configs), PICKED[pick][0])
             auto = f"{at(picked, i) / top:.2f}x" if picked in configs else "not measured"
         rows.append(f"| {c} | " + " | ".join(f"{at(k, i):.2f}" for k in configs) + f" | {ratio} | {pick} | {auto} |")
-    rows.append("| TPOT ms, concurrency 1 / 64 | " + " | ".join(
+    rows.append(f"| TPOT ms, concurrency {conc[0]} / {conc[-1]} | " + " | ".join(
         f"{at(k, 0, 'tpot_ms')} / {at(k, len(conc) - 1, 'tpot_ms')}" for k in configs) + " | | | |")
     if dram:  # issue 28: within 1.1x of it at 1 and 4 (the all-GPU step at 4 is the one at 1 within a ms)
         bound = bound_ms(r, dram)
@@ -168,7 +179,7 @@ def main(path="bench/results/gpu_bench.json"):
     reads = r.get("dram_reads_gbs", [])
     md = "\n".join(rows) + f"\n\nDRAM read bandwidth: {dram} GB/s" + (
         f" (the fastest of {len(reads)} reads in the lease: {' / '.join(map(str, reads))})" if len(reads) > 1 else "") + (
-        f"; bound = 6.98 GB / DRAM + the all-GPU step ({'a-all-gpu' if 'a-all-gpu' in configs else f'{GPU_STEP_MS} ms'})"
+        f"; bound = {16 * shape_of(r).layer_bytes / 1e9:.2f} GB ({served_model(r)}) / DRAM + the all-GPU step ({'a-all-gpu' if 'a-all-gpu' in configs else f'{GPU_STEP_MS} ms'})"
         if dram else "") + "\n\n" + "".join(f"- {e}\n" for e in effs)
     path.with_suffix(".md").write_text(md)
     try:
@@ -179,7 +190,7 @@ def main(path="bench/results/gpu_bench.json"):
         for k in configs:
             ax.plot(conc, [w["tok_per_s"] for w in r[k]["waves"]], marker="o", label=k)
         ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="output tokens/s",
-               title="Llama-3.1-8B shape, 128 in / 128 out")
+               title=f"{served_model(r)} shape")
         ax.legend()
         fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
     except ImportError:

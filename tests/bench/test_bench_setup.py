@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import cpu_kernels  # noqa: E402
 import gpu_bench  # noqa: E402
+import report  # noqa: E402
 
 
 def kernels_file(path: Path, machine: dict) -> None:
@@ -103,3 +104,34 @@ def test_p_experts_rows_gives_an_explicit_experts_plan_what_auto_would_have_meas
         split = split_layers(plan, model_shape(gpu_bench.MODELS[gpu_bench.MODEL]), None, get("experts"))
         rows[name] = pod_rows(plan, split, get("experts").layout(plan, split), hardware_of(plan))
     assert rows == {"measured": 8, "plain": 64}
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+@pytest.mark.parametrize("lease_file, bound", [
+    ("gpu_bench-coproc-int8-h200-2026-12-02.json", "bound = 3.49 GB (llama-3.1-8b-int8)"),  # int8 weights: a byte each
+    ("gpu_bench-coproc-bf16-h200-2026-12-02.json", "bound = 6.98 GB (llama-3.1-8b)"),
+])
+def test_the_reports_bound_reads_the_bytes_of_the_model_the_runs_served(tmp_path, lease_file, bound):
+    """Issue 48 item 5: an INT8 run's bound is its 16 streamed layers' int8 bytes, not the bf16 shape's."""
+    path = tmp_path / "gpu_bench.json"
+    lease = json.loads((RESULTS / lease_file).read_text())
+    lease.pop("model", None)  # a file from before the field: the model is read off the shape folder its plan names
+    path.write_text(json.dumps(lease))
+    report.main(str(path))
+    md = path.with_suffix(".md").read_text()
+    assert bound in md
+    gb, dram = float(bound.split()[2]), lease["dram_read_gbs"]
+    assert f"over its bound ({1e3 * gb / dram + report.GPU_STEP_MS:.1f} ms)" in md
+
+
+def test_a_results_file_of_another_model_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_bench, "OUT", tmp_path)
+    monkeypatch.setattr(gpu_bench, "MODEL", "llama-3.1-8b-int8")
+    monkeypatch.setattr(gpu_bench.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(gpu_bench, "make_shaped_model", lambda *a: pytest.fail("built a model"))
+    (tmp_path / "gpu_bench.json").write_text(json.dumps({"model": "llama-3.1-8b", "e-coproc": {"waves": []}}))
+    with pytest.raises(SystemExit, match="holds runs of llama-3.1-8b, not llama-3.1-8b-int8"):
+        gpu_bench.main(["e-coproc"])
+    assert json.loads((tmp_path / "gpu_bench.json").read_text())["e-coproc"] == {"waves": []}  # nothing lost
