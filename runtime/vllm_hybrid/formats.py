@@ -30,6 +30,7 @@ class WeightFormat:
     scale_bytes: int = 0       # of one scale
     zero_bits: int = 0         # of one zero point (asymmetric formats), per group
     quantized_roles: frozenset[str] = frozenset()  # the layer's products held in this format (the rest: dtype)
+    detail: str = ""           # how the checkpoint departs from its format's preset ("": the preset itself)
 
     @property
     def quantized(self) -> bool:
@@ -126,12 +127,25 @@ def _ct_scheme(w: dict, acts: dict | None) -> WeightFormat:
         return WeightFormat(f"W4A16 compressed-tensors group {group}" if group else "W4A16 compressed-tensors",
                             where, 4, group=group, scale_bytes=2, zero_bits=zero)
     if kind == "int" and bits == 8 and acts is not None:
-        return WeightFormat("W8A8 INT8", where, 8, scale_bytes=4)
+        return WeightFormat("W8A8 INT8", where, 8, scale_bytes=4, detail=_w8a8_detail(w, acts))
     if kind == "float" and bits == 4:
         raise PlanError("model: compressed-tensors FP4 (NVFP4/MXFP4) weights are not supported")
     raise PlanError(f"model: compressed-tensors {kind}{bits} weights ({strategy}"
                     f"{', activations ' + str(acts.get('type')) + str(acts.get('num_bits')) if acts else ''}) "
                     "are not supported")
+
+
+def _w8a8_detail(w: dict, acts: dict) -> str:
+    """What sets a W8A8 INT8 scheme apart from compressed-tensors' W8A8 preset (weights with a scale per output row,
+    activations quantized per token at run time, symmetric): sizes alike, but not every kernel computes it."""
+    parts = [] if w.get("strategy", "tensor") == "channel" else [f"a weight scale per {w.get('strategy', 'tensor')}"]
+    if not acts.get("dynamic", False):
+        parts.append(f"static activation scales (per {acts.get('strategy', 'tensor')})")
+    elif acts.get("strategy", "tensor") != "token":
+        parts.append(f"activations quantized per {acts.get('strategy', 'tensor')}")
+    if not acts.get("symmetric", True):
+        parts.append("asymmetric activations")
+    return ", ".join(parts)
 
 
 def _with_roles(fmt: WeightFormat, ignore: list[str], substring: bool = False) -> WeightFormat:

@@ -38,7 +38,8 @@ PRODUCTS_ENV = "HYBRID_NODE_PRODUCTS"  # the cpu part's: "int8" times the coproc
 def products_of(shape) -> str | None:
     """PRODUCTS_ENV's value for a model: int8 where the coprocessor would split int8 products (None: plain ones)."""
     from .strategies.coprocessor import INT8_FORMAT
-    return "int8" if shape.weight_format.name == INT8_FORMAT else None
+    fmt = shape.weight_format
+    return "int8" if fmt.name == INT8_FORMAT and not fmt.detail else None  # a detail: the coprocessor refuses it
 
 
 def needed(plan: Plan, shared_shm: bool, shape=None) -> bool:

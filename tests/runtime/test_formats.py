@@ -3,10 +3,12 @@
 start. How many bytes each format takes is checked against vLLM's own layers in test_architectures.py."""
 import argparse
 import json
+import re
 
 import pytest
 from test_architectures import AWQ, FP8_BLOCK, GPT_OSS_20B, GPTQ, MXFP4_GPT_OSS, W4A16_CT, W8A8_CT
 from test_planner import LLAMA_8B
+from vllm_hybrid import node
 from vllm_hybrid.formats import cpu_flags, cpu_refusal, weight_format
 from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape, split_layers
@@ -94,6 +96,32 @@ def test_coprocessor_takes_a_w8a8_int8_checkpoint_and_auto_weighs_it():
     with pytest.raises(PlanError, match="balanced needs unquantized weights"):
         resolve(plan("balanced"), split_layers(plan("balanced"), shape))
     assert "coprocessor" in resolve_split(plan("auto"), shape)[2]
+
+
+def w8a8_variant(weights: dict | None = None, acts: dict | None = None) -> dict:
+    group = W8A8_CT["config_groups"]["group_0"]
+    return {**W8A8_CT, "config_groups": {"group_0": {**group, "weights": {**group["weights"], **(weights or {})},
+                                                     "input_activations": {**group["input_activations"], **(acts or {})}}}}
+
+
+@pytest.mark.parametrize("variant, detail", [
+    (w8a8_variant(acts={"dynamic": False, "strategy": "tensor"}), "static activation scales (per tensor)"),
+    (w8a8_variant(weights={"strategy": "tensor"}), "a weight scale per tensor"),
+    (w8a8_variant(acts={"symmetric": False}), "asymmetric activations"),
+], ids=["static-activations", "per-tensor-weights", "asymmetric"])
+def test_coprocessor_refuses_a_w8a8_variant_it_cannot_split_at_plan_time(variant, detail):
+    """Issue 48 item 5's W8A8 INT8 coprocessor splits compressed-tensors' preset only (patches.int8_layer); another
+    variant is refused by name when the plan is resolved, not when the stage finds nothing to split at its start, and
+    auto weighs the strategies that serve it."""
+    shape = model_shape({**LLAMA_8B, "quantization_config": variant})
+    assert shape.weight_format.name == "W8A8 INT8" and shape.weight_format.detail == detail
+    assert shape.layer_bytes == model_shape({**LLAMA_8B, "quantization_config": W8A8_CT}).layer_bytes  # sized alike
+    with pytest.raises(PlanError, match=f"coprocessor needs W8A8 INT8 as compressed-tensors' W8A8 preset writes it "
+                                        rf".*; this checkpoint's have {re.escape(detail)}"):
+        resolve(plan("coprocessor"), split_layers(plan("coprocessor"), shape))
+    assert "coprocessor" not in resolve_split(plan("auto"), shape)[2] and node.products_of(shape) is None
+    preset = model_shape({**LLAMA_8B, "quantization_config": W8A8_CT})
+    assert preset.weight_format.detail == "" and node.products_of(preset) == "int8"
 
 
 def test_experts_takes_gpt_oss_in_mxfp4_and_refuses_its_bf16_experts_by_name():

@@ -39,6 +39,10 @@ class Coprocessor(Strategy):
 
     def refused_model(self, shape: ModelShape) -> str | None:
         fmt = shape.weight_format
+        if fmt.name == INT8_FORMAT and fmt.detail:  # patches.int8_layer would split none of its products
+            return (f"{INT8_FORMAT} as compressed-tensors' W8A8 preset writes it (a weight scale per output row, "
+                    f"activations quantized per token at run time, symmetric: what its CPU pod's int8 GEMM and vLLM's "
+                    f"CUTLASS kernel compute alike); this checkpoint's have {fmt.detail}")
         if fmt.name == INT8_FORMAT:  # its int8 products: int8.py (the rest of the layer streams whole)
             return None
         if fmt.quantized:
