@@ -31,9 +31,12 @@ def reference(model, prompts, max_tokens, dtype="float32", env=None, python=sys.
     work = Path(tempfile.mkdtemp())
     spec = {"model": str(model), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
     (work / "spec.json").write_text(json.dumps(spec))
-    # plain vLLM, with only the plugin's opt-in memory of torch's vector-ISA probes (16 s of each start on 2 cores)
+    # plain vLLM, with only the plugin's opt-in memory of torch's vector-ISA probes (16 s of each start on 2 cores),
+    # on the GEMMs the launcher picks for every cpu stage (VLLM_CPU_SGL_KERNEL: on an AMX CPU oneDNN's W8A8 rounds
+    # otherwise, and the tiny int8 Llama's tokens parted at its 23rd)
     run = subprocess.run([python, str(Path(__file__).parents[1] / "reference_generate.py"), str(work / "spec.json"),
-                          str(work / "out.json")], env={**os.environ, "HYBRID_REMEMBER_VEC_ISA": "1", **(env or {})},
+                          str(work / "out.json")], env={"VLLM_CPU_SGL_KERNEL": "1", **os.environ,
+                                                         "HYBRID_REMEMBER_VEC_ISA": "1", **(env or {})},
                          timeout=900)
     # its answer is written last and whole: a process that died after it (vLLM's CPU build once aborted in its
     # teardown, "terminate called without an active exception", gpt-oss on an H200 lease) still answered

