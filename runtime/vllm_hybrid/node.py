@@ -37,9 +37,10 @@ PRODUCTS_ENV = "HYBRID_NODE_PRODUCTS"  # the cpu part's: "int8" times the coproc
 
 def products_of(shape) -> str | None:
     """PRODUCTS_ENV's value for a model: int8 where the coprocessor would split int8 products (None: plain ones)."""
+    from .strategies import STRATEGIES
     from .strategies.coprocessor import INT8_FORMAT
-    fmt = shape.weight_format
-    return "int8" if fmt.name == INT8_FORMAT and not fmt.detail else None  # a detail: the coprocessor refuses it
+    splits_int8 = shape.weight_format.name == INT8_FORMAT and STRATEGIES["coprocessor"].refused_model(shape) is None
+    return "int8" if splits_int8 else None
 
 
 def needed(plan: Plan, shared_shm: bool, shape=None) -> bool:
