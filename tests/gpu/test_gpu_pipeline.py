@@ -14,6 +14,7 @@ from vllm_hybrid.cpupod import hostmem
 from vllm_hybrid.loadgen import token_prompts, wave
 from vllm_hybrid.local import LocalPipeline, local_ports, post_json
 from vllm_hybrid.stage_metrics import scrape
+from vllm_hybrid.strategies.experts import io as experts_io
 from vllm_hybrid.tinymodel import (
     LLAMA_3_1_8B,
     QUANTIZABLE_TINY,
@@ -391,9 +392,23 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
     no format; INT8 W8A8 quantizes them per token to int8 on both. FP8 runs vLLM's Marlin FP8 MoE kernel on the GPU
     (`--moe-backend marlin`, weight-only, as the pod's W8A16), in the reference too, so both devices compute the same
     numerics (the default Triton one quantizes activations: an H200 lease saw a 0.61-nat part with it)."""
+    check_experts_quantized(quantized_moe, arch, fmt, graphs)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_experts_w4a16_share_in_place_identity(quantized_moe, graphs):
+    """The same on the W4A16 Qwen3-MoE with half of each layer's remote experts computed by the GPU at the pod's steps,
+    Marlin reading their stacks in place over PCIe (HYBRID_EXPERTS_UVA_SHARE=0.5, client.InPlace): as close to the
+    reference."""
+    gpu = check_experts_quantized(quantized_moe, "qwen3_moe", "w4a16", graphs, share=0.5)
+    assert any("shared at the pod's steps" in ln for ln in gpu), gpu
+
+
+def check_experts_quantized(quantized_moe, arch, fmt, graphs, share=0.0):
     model, prompts, backend, ref, cpu_scores = quantized_moe(arch, fmt, graphs)
-    name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}"
+    name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}{f'-share-{share}' if share else ''}"
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
+                                             gpu_env={experts_io.UVA_SHARE_ENV: str(share)} if share else None,
                                              extra_args=("--moe-backend", backend) if backend != "auto" else (),
                                              scored=continuations(ref))
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
@@ -410,6 +425,7 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
     assert served.get("hybrid_experts_steps_total", 0) > 0, served
     assert all(len(g) == MAX_TOKENS for g in got)
     assert_no_farther_than_the_cpu_build(forced, report)
+    return [ln for ln in logs[0].splitlines() if "experts:" in ln]
 
 
 @pytest.mark.gpu2

@@ -157,12 +157,13 @@ class RegionClient:
         finally:
             os.close(fd)  # the mapping keeps the region
 
-    def open_weights(self, nbytes: int, page_lock: bool = True) -> str:
+    def open_weights(self, nbytes: int, page_lock: bool = True, mapped: bool = False) -> str:
+        """page_lock: copies DMA from the region; mapped too: kernels read it in place (memops.as_device)."""
         reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
         self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
         if page_lock:
             from . import memops
-            memops.register(self.flat.data_ptr(), self.wbytes, mapped=False)  # page-locked: copies DMA from it
+            memops.register(self.flat.data_ptr(), self.wbytes, mapped=mapped)
         return reply["describe"]
 
     def room(self, like: torch.Tensor) -> torch.Tensor | None:

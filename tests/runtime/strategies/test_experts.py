@@ -605,3 +605,99 @@ def test_large_steps_stage_into_two_slots_sized_for_the_largest_layer():
     assert [v.shape for v in second] == [s.shape for s in client.layers[1].stacks]
     assert [v.dtype for v in first] == [torch.bfloat16] * 2
     assert first[0].data_ptr() == third[0].data_ptr() != second[0].data_ptr()  # taken in turn
+
+
+@pytest.mark.parametrize("dtype,choice,tol", [(torch.float32, "torch", 1e-5), (torch.bfloat16, "sgl", 3e-2)])
+def test_a_share_of_the_remote_experts_is_computed_in_place_while_the_pod_computes_the_rest(tmp_path, dtype, choice,
+                                                                                          tol):
+    """HYBRID_EXPERTS_UVA_SHARE: at the pod's steps the main stage computes about that share of each layer's remote
+    experts from their stacks where they are (on CUDA, over PCIe), and the pod is sent the others only: the sum is the
+    layer's, and the pod's counters show it computed none of the shared experts' tokens."""
+    remote = {0: [1, 3, 4, 6], 2: [0, 5, 6, 7]}
+    weights = {layer: make_experts(E, dtype, seed=layer) for layer in remote}
+    path, port = str(tmp_path / "s.experts"), free_port()
+    proc = start_server("experts", path, port, {experts_io.KERNEL_ENV: choice})
+    try:
+        client = experts_session(path, remote, weights, dtype)
+        # steps of one token: half of each layer's remote experts here; up to 4: a quarter; larger: none
+        assert client.share_in_place(experts_client.parse_shares("4:0.25, 1:0.5")) == 2
+        here = {layer: [ip.ids for _, ip in client.layers[layer].in_place] for layer in remote}
+        assert here == {0: [[3, 6], [6]], 2: [[5, 7], [7]]}  # evenly through the list
+        pod_tokens = 0
+        for step, (layer, rows) in enumerate([(0, 1), (2, 8), (0, 3), (2, 1), (2, 4)]):
+            x = torch.randn(rows, H).to(dtype)
+            ids, w = routing(rows, seed=20 + step)
+            if step == 3:
+                ids[:, 0] = 5  # a token on a shared expert only, beside main-stage ones
+            y = client.moe_remote(layer, x, ids, w)
+            torch.testing.assert_close(y.float(), dense(x, ids, w, weights[layer], remote[layer]), rtol=tol, atol=tol)
+            shared = here[layer][0] if rows == 1 else here[layer][1] if rows <= 4 else []
+            pod = set(remote[layer]) - set(shared)
+            pod_tokens += sum(int((ids == e).sum()) for e in pod)
+        assert pod_tokens > 0 and _metric(port, "expert_tokens") == pod_tokens
+        client.sock.close()
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+
+
+def test_shares_by_step_size_parse_or_fail_by_name():
+    assert experts_client.parse_shares("0.5") == [(experts_io.DEFAULT_MAX_ROWS, 0.5)]
+    assert experts_client.parse_shares("4:0.3,1:0.5") == [(1, 0.5), (4, 0.3)]
+    assert experts_client.parse_shares("") == []
+    for bad in ("1.5", "0:0.5", "a:0.5", "1:x"):
+        with pytest.raises(ValueError, match=experts_io.UVA_SHARE_ENV):
+            experts_client.parse_shares(bad)
+
+
+def test_the_share_computed_in_place_is_spread_through_each_layers_list():
+    assert experts_client.spread([10, 11, 12, 13, 14, 15], 0.5) == [11, 13, 15]
+    assert experts_client.spread([10, 11, 12, 13], 0.25) == [13]
+    assert experts_client.spread([10, 11, 12], 1.0) == [10, 11, 12]
+    assert experts_client.spread([10, 11, 12], 0.0) == []
+
+
+def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
+    """W4A16 Mixtral at a 24 GiB budget, the pod keeping its stacks in Marlin's layout: at each pod step size the GPU
+    reads the share of the remote experts (over PCIe, in place) that it reads in the time the pod computes the rest,
+    from the same figures as the pod's step (measured on the node, else the cost model's); the stage's env carries
+    them unless the user set their own, and the step's cost is both together. bf16 experts (nothing kept in Marlin's
+    layout) get none."""
+    from vllm_hybrid import node
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import Workload, get
+    from vllm_hybrid.strategies.experts import in_place_read_s, in_place_shares, pod_rows, pod_step_s
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
+    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.1573, "memory": "143771Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"}]
+    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts",
+                           "max_num_seqs": 64, "block_size": 128, "stages": stages})
+    strategy = get("experts")
+    w4a16 = model_shape({**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128}, "bfloat16")
+    split = split_layers(plan, w4a16, None, strategy)
+    lay = strategy.layout(plan, split)
+    measured = node.hardware(plan, {"dram_gbs": 83.9, "moe_call_s": 0.0, "moe_expert_gbs": 71.4,
+                                    "moe_pair_s": 1.69318e-4, "copy_gbs": 55.05})
+    shares = in_place_shares(plan, split, lay, measured, pod_rows(plan, split, lay, measured))
+    assert [t for t, _ in shares] == [1, 2, 4, 8]
+    for tokens, share in shares:
+        pod, gpu = pod_step_s(plan, split, lay, measured, tokens, 8), in_place_read_s(split, lay, measured, tokens)
+        assert abs((1 - share) * pod - share * gpu) <= 0.005 * (pod + gpu)  # both end together (2 digits)
+    assert all(0.3 < share < 0.6 for _, share in shares), shares  # the pod's kernel and PCIe read alike here
+    ident, base = Identity(0, 0, "10.0.0.1", None), {"HYBRID_INSTANCE": "mix", "HYBRID_SHM_DIR": "/dev/shm"}
+    rec = resolve_stage(plan, split, ident, base, lay, measured)
+    assert vllm_env(plan, rec, ident, None, base)[experts_io.UVA_SHARE_ENV] == ",".join(f"{t}:{s:g}" for t, s in shares)
+    rec = resolve_stage(plan, split, ident, {**base, experts_io.UVA_SHARE_ENV: "0"}, lay, measured)
+    assert vllm_env(plan, rec, ident, None, {**base, experts_io.UVA_SHARE_ENV: "0"})[experts_io.UVA_SHARE_ENV] == "0"
+    one = strategy.cost(plan, split, lay, 0, Workload(1, 32, 16), measured).step_s
+    pod, gpu = pod_step_s(plan, split, lay, measured, 1, 8), in_place_read_s(split, lay, measured, 1)
+    # both read DRAM: a step is no shorter than its routed bytes at the node's read, however the two share them
+    # (here the bound: 1.25 GB at 83.9 GB/s, 14.9 ms, against 11.7 for the two at their own rates)
+    read = gpu * measured.pcie_gbs / measured.dram_gbs
+    assert one == pytest.approx(read) and pod * gpu / (pod + gpu) < read < pod
+    fast = node.hardware(plan, {"dram_gbs": 200.0, "moe_call_s": 0.0, "moe_expert_gbs": 71.4, "moe_pair_s": 1.69318e-4})
+    assert strategy.cost(plan, split, lay, 0, Workload(1, 32, 16), fast).step_s == pytest.approx(pod * gpu / (pod + gpu))
+    bf16 = model_shape(MIXTRAL_8X7B, "bfloat16")
+    split16 = split_layers(plan, bf16, None, strategy)
+    assert in_place_shares(plan, split16, strategy.layout(plan, split16), measured, 8) == []

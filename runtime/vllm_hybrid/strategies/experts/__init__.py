@@ -23,6 +23,7 @@ from .io import (
     REMOTE_ENV,
     SERVED_FORMATS,
     SOCKET_ENV,
+    UVA_SHARE_ENV,
     format_placement,
     load_counts,
 )
@@ -241,6 +242,37 @@ def pod_rows(plan: Plan, split: Split, lay: Layout, hw: Hardware) -> int:
     return rows
 
 
+def in_place_shares(plan: Plan, split: Split, lay: Layout, hw: Hardware, rows: int) -> list[tuple[int, float]]:
+    """Per pod step size (1, 2, 4, ... tokens up to `rows`), the share of each layer's remote experts the GPU computes
+    in place over PCIe (io.UVA_SHARE_ENV) while the pod computes the rest: the share that ends both at once, from the
+    pod's step (pod_step_s: its kernel's call as measured on this node, else the DRAM read) and the routed experts'
+    bytes read at pcie_gbs (vLLM's UVA offload's read). Where the main stage keeps the stacks in Marlin's layout."""
+    shape, out, tokens = split.shape, [], 1
+    if not (kept_format(shape) and marlin_in_place(shape) and pod_keeps_stacks(plan, lay, shape)):
+        return out
+    while tokens <= rows:
+        pod, gpu = pod_step_s(plan, split, lay, hw, tokens, rows), in_place_read_s(split, lay, hw, tokens)
+        out.append((tokens, round(pod / (pod + gpu), 2)))
+        tokens *= 2
+    return out
+
+
+def in_place_read_s(split: Split, lay: Layout, hw: Hardware, tokens: int) -> float:
+    """A step's routed remote experts read by the GPU over PCIe, every one of them."""
+    shape = split.shape
+    return lay.offload_bytes[0] * (1 - (1 - shape.routed / shape.experts) ** tokens) / (hw.pcie_gbs * 1e9)
+
+
+def shared_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int) -> float:
+    """A pod step with its in-place share (in_place_shares): the pod and the GPU's read end together, no sooner than
+    DRAM gives both their bytes (the copy engine and the CPU read the same DRAM)."""
+    pod = pod_step_s(plan, split, lay, hw, tokens, rows)
+    if not in_place_shares(plan, split, lay, hw, 1):
+        return pod
+    gpu = in_place_read_s(split, lay, hw, tokens)
+    return max(pod * gpu / (pod + gpu), gpu * hw.pcie_gbs / hw.dram_gbs)
+
+
 class Experts(Strategy):
     name = "experts"
     auto = True
@@ -284,6 +316,7 @@ class Experts(Strategy):
         remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
         keep = not plan.stages[ident.stage].is_cpu and pod_keeps_stacks(plan, lay, shape)
+        shares = in_place_shares(plan, split, lay, hw or hardware_of(plan), rows) if keep else []
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(rows),
@@ -291,9 +324,11 @@ class Experts(Strategy):
             env=((SOCKET_ENV, sock), (BYTES_ENV, str(lay.offload_bytes[0] + REGION_SLACK)),
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
                  (MAX_ROWS_ENV, str(rows)), *(((KEEP_ENV, "1"),) if keep else ())),
-            env_defaults=((COUNTS_ENV, counts_file),),
+            env_defaults=((COUNTS_ENV, counts_file),
+                          *(((UVA_SHARE_ENV, ",".join(f"{t}:{sh:g}" for t, sh in shares)),) if shares else ())),
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed), ("pod_rows", rows),
-                     *((("large_steps", "gpu (the cpu pod keeps the stacks)"),) if keep else ())))
+                     *((("large_steps", "gpu (the cpu pod keeps the stacks)"),) if keep else ()),
+                     *((("in_place_shares", ",".join(f"{t}:{sh:g}" for t, sh in shares)),) if shares else ())))
 
     def server(self, plan, lay, ident, env) -> Server | None:
         return cpu_pod_server(plan, lay, ident, env, "experts", "strategies.experts.server", "experts")
@@ -309,9 +344,9 @@ class Experts(Strategy):
         to_gpu = not quantized_experts(shape) or pod_keeps_stacks(plan, lay, shape)  # else the pod, in parts
         # a prefill step goes where a decode step of its tokens would (the main stage asks by the step's tokens)
         chunk = min(work.prompt, plan.max_num_batched_tokens)
-        return StageCost(stream.step_s if c > rows and to_gpu else pod_step_s(plan, split, lay, hw, c, rows),
+        return StageCost(stream.step_s if c > rows and to_gpu else shared_step_s(plan, split, lay, hw, c, rows),
                          stream.prefill_s if chunk > rows and to_gpu
-                         else work.chunks(plan) * pod_step_s(plan, split, lay, hw, chunk, rows))
+                         else work.chunks(plan) * shared_step_s(plan, split, lay, hw, chunk, rows))
 
     def patch_vllm(self) -> list[str]:
         from .patches import apply  # vLLM's modules: only in a stage's vLLM process

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ from .io import (
     REMOTE_ENV,
     REQ,
     SOCKET_ENV,
+    UVA_SHARE_ENV,
     IoLayout,
     IoViews,
     load_counts,
@@ -137,6 +138,10 @@ class Held:
     nearby: bool = False
     dtype: torch.dtype = torch.bfloat16  # the activations' (dequantized experts are computed in it)
     large: quantized.Marlin | None = None  # kept, on CUDA: f(x, ids, weights, the staged tensors by role)
+    # shares of the experts the main stage computes at the pod's steps too: (steps of up to this many tokens, InPlace)
+    in_place: list[tuple[int, InPlace]] = field(default_factory=list)
+    num_experts: int = 0  # the layer's, global ids 0 .. num_experts - 1
+
 
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -158,6 +163,44 @@ class Held:
         if self.fmt is not None:
             return quantized.Dequantized(self.fmt, dict(zip(self.tensors, stacks)), self.dtype)
         return Unpacked(stacks, self.packed) if self.packed else list(zip(*stacks))
+
+
+def parse_shares(text: str) -> list[tuple[int, float]]:
+    """UVA_SHARE_ENV: "0.5" (every pod step) or "1:0.5,4:0.3" (steps of up to 1 token: 0.5, up to 4: 0.3, larger: none)
+    -> [(max tokens, share)] by tokens; 0 for every step: none."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        rows, _, share = part.rpartition(":")
+        try:
+            pair = (int(rows) if rows else DEFAULT_MAX_ROWS, float(share))
+        except ValueError:
+            pair = (0, -1.0)
+        if pair[0] < 1 or not 0 <= pair[1] <= 1:
+            raise ValueError(f"{UVA_SHARE_ENV}={text!r}: a share 0-1, or TOKENS:SHARE pairs such as 1:0.5,4:0.3")
+        out.append(pair)
+    return sorted(out)
+
+
+def spread(ids: Sequence[int], share: float) -> list[int]:
+    """About `share` of ids, evenly through the list (the placement orders them by routing counts where it had any)."""
+    return [e for i, e in enumerate(ids) if int((i + 1) * share + 1e-9) > int(i * share + 1e-9)]
+
+
+@dataclass
+class InPlace:
+    """Some of a layer's remote experts, computed by the main stage at the CPU pod's steps, from their stacks where
+    they are (on CUDA: Marlin's layout in the region, read over PCIe through a mapped view; elsewhere the region's
+    plain weights), while the pod computes the others: at a decode step both read DRAM at once, where either alone
+    reached half of it (the 235B's pod: 45 GB/s at one token on a 90-120 GB/s box)."""
+    ids: list[int]
+    pod_skips: torch.Tensor  # bool over the layer's global ids: the pod is sent these as one id it does not hold
+    compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # f(x, ids, weights): their sum
+    absent: int = 0  # the id the pod is sent instead (past every remote id: its local index maps it to -1)
+
+    def for_pod(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pod_skips.device != ids.device:
+            self.pod_skips = self.pod_skips.to(ids.device)
+        return torch.where(self.pod_skips[ids.long()], torch.full_like(ids, self.absent), ids)
 
 
 class Unpacked:
@@ -233,6 +276,7 @@ class Client(RegionClient):
         super().__init__()
         self.remote, self.max_rows, self.device = remote, max_rows, device
         self.keep = False  # the plan leaves the CPU pod room to keep W4A16 stacks for large steps here (KEEP_ENV)
+        self.uva_shares: list[tuple[int, float]] = []  # UVA_SHARE_ENV, parsed
         self.layers: dict[int, Held] = {}
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None
@@ -247,7 +291,9 @@ class Client(RegionClient):
         self.staged: tuple[int, list[torch.Tensor], object] | None = None
 
     def open_weights(self, nbytes: int, page_lock: bool | None = None) -> str:
-        return super().open_weights(nbytes, self.device == "cuda" if page_lock is None else page_lock)  # large steps copy from it
+        lock = self.device == "cuda" if page_lock is None else page_lock  # large steps copy from it
+        mapped = lock and any(share > 0 for _, share in self.uva_shares)  # InPlace reads it
+        return super().open_weights(nbytes, lock, mapped=mapped)
 
     @staticmethod
     def region_bytes(count: int, w13_shape, w2_shape, dtype: torch.dtype) -> int:
@@ -268,7 +314,7 @@ class Client(RegionClient):
         ids = self.remote[layer]
         # each layer's experts back to back, so the server can pack them for its grouped kernel in place
         w13, w2 = (self.take(torch.empty(len(ids), *shape, dtype=dtype, device="meta")) for shape in (w13_shape, w2_shape))
-        self.layers[layer] = Held(ids, (w13, w2))
+        self.layers[layer] = Held(ids, (w13, w2), num_experts=num_experts)
         return self.layers[layer]
 
     def hold_quantized(self, layer: int, fmt: str, roles: dict[str, torch.Tensor], hidden: int, dtype: torch.dtype,
@@ -279,7 +325,7 @@ class Client(RegionClient):
         self.counts.track(layer, num_experts, self.device)
         tensors = {role: self.take(like) for role, like in roles.items()}
         self.layers[layer] = Held(self.remote[layer], tuple(tensors.values()), fmt=fmt, tensors=tensors,
-                                  nearby=self.keeps(fmt), dtype=dtype)
+                                  nearby=self.keeps(fmt), dtype=dtype, num_experts=num_experts)
         return tensors
 
     def keeps(self, fmt: str) -> bool:
@@ -325,6 +371,49 @@ class Client(RegionClient):
         if kept:
             torch.cuda.empty_cache()  # the layers' transient copies: not the memory profile's to keep
         return done, time.perf_counter() - t0
+
+    def share_in_place(self, shares: float | list[tuple[int, float]] | None = None) -> int:
+        """After lay_out_kept: a share of each layer's remote experts computed here at the pod's steps (InPlace), by
+        the step's tokens (parse_shares; a number: every step), where the main stage reads their stacks: on CUDA, the
+        layers laid out for Marlin; on CPU (tests), bf16 layers and kept ones. The layers given a share."""
+        shares = self.uva_shares if shares is None else shares
+        shares = [(self.max_rows, shares)] if isinstance(shares, float | int) else shares
+        done = 0
+        for held in self.layers.values():
+            held.in_place = []
+            for rows, share in shares:
+                ids = spread(held.ids, share)
+                if ids and (in_place := self.in_place_of(held, ids)) is not None:
+                    held.in_place.append((rows, in_place))
+            done += bool(held.in_place)
+        return done
+
+    def in_place_of(self, held: Held, ids: list[int]) -> InPlace | None:
+        skips = torch.zeros(held.num_experts, dtype=torch.bool)
+        skips[ids] = True
+        absent = held.num_experts
+        if self.device == "cuda":
+            if held.large is None or held.large.laid_out is None:
+                return None
+            from ...cpupod import memops
+            if not hasattr(self, "dev_flat"):
+                self.dev_flat = memops.as_device(self.flat)  # the region registered mapped (open_weights)
+            base = self.flat.data_ptr()
+            views = {role: self.dev_flat[t.data_ptr() - base:][:t.nbytes].view(t.dtype).view(held.large.laid_out[role])
+                     for role, t in held.tensors.items()}
+            emap = torch.full((held.num_experts,), -1, dtype=torch.int32)
+            emap[ids] = torch.tensor([held.ids.index(e) for e in ids], dtype=torch.int32)
+            emap = emap.to(self.device)
+            large = held.large
+            return InPlace(ids, skips, lambda x, i, w: large(x, i, w, views, expert_map=emap), absent)
+        if held.fmt is not None and not held.nearby:
+            return None  # the pod gave the region's pages back
+        picked = [held.ids.index(e) for e in ids]
+
+        def compute_here(x, topk_ids, topk_weights):
+            plain = held.plain(x.device)
+            return compute(x, topk_ids, topk_weights, [plain[i] for i in picked], ids)
+        return InPlace(ids, skips, compute_here, absent)
 
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A large step's remote experts, computed by the main stage from the region. On CUDA they are copied in for
@@ -385,8 +474,12 @@ class Client(RegionClient):
             if self.layers[layer].fmt is not None and not self.layers[layer].nearby:
                 return self.in_parts(layer, x, topk_weights, topk_ids, local)
             return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
-        self.side.submit(layer, x, topk_ids, topk_weights)
+        # the step's share by its tokens (a CUDA graph is captured per step size: one branch each)
+        in_place = next((ip for most, ip in self.layers[layer].in_place if rows <= most), None)
+        self.side.submit(layer, x, topk_ids if in_place is None else in_place.for_pod(topk_ids), topk_weights)
         out = local(x, topk_weights, topk_ids)
+        if in_place is not None:  # while the pod computes the rest
+            out = out + in_place.compute(x, topk_ids, topk_weights)
         return out + self.side.collect(layer, rows)
 
     def in_parts(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -415,6 +508,7 @@ def client_from_env(device: str, env=os.environ) -> Client:
     if CLIENT is None:
         client = Client(parse_placement(env.get(REMOTE_ENV, "")), int(env.get(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)), device)
         client.keep = env.get(KEEP_ENV) == "1"
+        client.uva_shares = parse_shares(env.get(UVA_SHARE_ENV, ""))
         client.counts = RoutingCounts(env.get(COUNTS_ENV) or None, float(env.get(COUNTS_EVERY_ENV, 60)))
         client.connect(env[SOCKET_ENV])
         CLIENT = client

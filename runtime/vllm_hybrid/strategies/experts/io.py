@@ -37,6 +37,9 @@ COUNTS_EVERY_ENV = "HYBRID_EXPERTS_COUNTS_EVERY"  # seconds of serving between t
 # "1": the CPU pod keeps the W4A16 stacks the loader wrote beside its prepared copy, and the main stage's GPU computes
 # large steps (prompts) from them (quantized.Marlin); the plan sets it where the pod's memory holds both
 KEEP_ENV = "HYBRID_EXPERTS_KEEP"
+# of each kept layer's remote experts, the share the main stage's GPU computes at the pod's steps, reading their stacks
+# in place over PCIe (Marlin on a mapped view of the region) while the pod computes the rest: the two read DRAM at once
+UVA_SHARE_ENV = "HYBRID_EXPERTS_UVA_SHARE"
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
 SERVED_FORMATS = ("FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order, AWQ or "
                   "gpt-oss's MXFP4")

@@ -6,7 +6,7 @@ import collections
 import functools
 import os
 
-from .io import BYTES_ENV, REMOTE_ENV, SERVED_FORMATS, SOCKET_ENV, parse_placement
+from .io import BYTES_ENV, REMOTE_ENV, SERVED_FORMATS, SOCKET_ENV, UVA_SHARE_ENV, parse_placement
 
 
 def quantized_roles(layer) -> tuple[str, dict[str, str]]:
@@ -284,6 +284,13 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             laid, took = client.lay_out_kept()
             if laid:
                 logger.info("experts: the kept stacks of %d layers rewritten in Marlin's layout in %.1f s", laid, took)
+            if shared := client.share_in_place():
+                here = {rows: sum(len(ip.ids) for h in client.layers.values() for most, ip in h.in_place if most == rows)
+                        for rows, _ in client.uva_shares}
+                logger.info("experts: %d layers' remote experts shared at the pod's steps (%s=%s): of %d, computed here "
+                            "in place at steps of up to %s", shared, UVA_SHARE_ENV, os.environ.get(UVA_SHARE_ENV),
+                            sum(len(h.ids) for h in client.layers.values()),
+                            ", ".join(f"{rows} tokens: {n}" for rows, n in here.items()))
             layers = client.layers.values()
             larger = collections.Counter("here from the stacks the pod keeps" if h.nearby else
                                          "by the pod in parts" if h.fmt is not None else "here from the region"

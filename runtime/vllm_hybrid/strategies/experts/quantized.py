@@ -204,7 +204,8 @@ class Marlin:
         return True
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+                 tensors: dict[str, torch.Tensor], expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """expert_map: global id -> index in the stacks for the experts to compute (default: every remote one)."""
         from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
         from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
         from vllm.scalar_type import scalar_types
@@ -220,7 +221,8 @@ class Marlin:
         return fused_marlin_moe(x.contiguous(), m["w13"], m["w2"], None, None, m["w13_scale"], m["w2_scale"],
                                 weights.float(), ids,
                                 scalar_types.uint4b8.id,  # symmetric int4, stored + 8 (the plan refuses zero points)
-                                global_num_experts=self.num_experts, expert_map=self.expert_map, g_idx1=no_order,
+                                global_num_experts=self.num_experts,
+                                expert_map=self.expert_map if expert_map is None else expert_map, g_idx1=no_order,
                                 g_idx2=no_order, sort_indices1=no_order, sort_indices2=no_order,
                                 workspace=self.workspace, is_k_full=True)
 
