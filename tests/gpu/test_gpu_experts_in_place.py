@@ -66,7 +66,8 @@ for share in (1.0, 0.5):
         read = len(set(ids.flatten().tolist())) * expert_bytes
         t = ms(lambda: ip.compute(x, ids, weights))
         key = f"share_{share}_tokens_{tokens}"
-        out[key] = {"equal": bool(torch.equal(got, want)), "ms": t, "experts_read": read // expert_bytes,
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        out[key] = {"equal": bool(torch.equal(got, want)), "rel_diff": rel, "ms": t, "experts_read": read // expert_bytes,
                     "gbs_in_place": read / t / 1e6, "ms_on_gpu_copy": ms(lambda: held.large(x, ids, weights, staged,
                                                                                            expert_map=emap)),
                     "pod_ids_skip_shared": bool((ip.for_pod(ids) == experts).all())}
@@ -82,6 +83,8 @@ def test_marlin_reads_a_shared_layer_in_place_and_equals_it_on_a_gpu_copy():
     record({"experts_in_place": figures})
     assert figures["laid_out"], figures
     cases = [v for k, v in figures.items() if k.startswith("share_")]
-    assert len(cases) == 4 and all(c["equal"] and c["pod_ids_skip_shared"] for c in cases), figures
+    # the same kernel on the same bytes (Marlin may split a product's inputs over blocks and add them atomically:
+    # the order of those bf16 adds is free, so equal to rounding, not always bit for bit)
+    assert len(cases) == 4 and all(c["rel_diff"] < 5e-3 and c["pod_ids_skip_shared"] for c in cases), figures
     # read over PCIe: slower than the GPU's own memory, but a read at all (not a copy of the layer a step)
     assert all(0 < c["ms_on_gpu_copy"] < c["ms"] for c in cases), figures
