@@ -408,7 +408,7 @@ def check_experts_quantized(quantized_moe, arch, fmt, graphs, share=0.0):
     model, prompts, backend, ref, cpu_scores = quantized_moe(arch, fmt, graphs)
     name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}{f'-share-{share}' if share else ''}"
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
-                                             gpu_env={experts_io.UVA_SHARE_ENV: str(share)} if share else None,
+                                             gpu_env={**GPU_ENV, experts_io.UVA_SHARE_ENV: str(share)} if share else None,
                                              extra_args=("--moe-backend", backend) if backend != "auto" else (),
                                              scored=continuations(ref))
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
