@@ -83,7 +83,7 @@ def bound_ms(r: dict, dram: float) -> float:
 
 
 PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-experts-sgl", "p-experts-grouped",
-           "p-experts-kt", "p-experts-passive", "p-auto", "p-prefetch-plain")
+           "p-experts-kt", "p-experts-passive", "p-experts-rows", "p-auto", "p-prefetch-plain")
 
 
 def planned_table(r: dict) -> str:
