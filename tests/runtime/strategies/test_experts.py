@@ -635,6 +635,12 @@ def test_a_share_of_the_remote_experts_is_computed_in_place_while_the_pod_comput
             pod = set(remote[layer]) - set(shared)
             pod_tokens += sum(int((ids == e).sum()) for e in pod)
         assert pod_tokens > 0 and _metric(port, "expert_tokens") == pod_tokens
+        steps = _metric(port, "steps")
+        client.share_in_place(1.0)  # every remote expert here: the pod is not asked at all
+        x, (ids, w) = torch.randn(2, H).to(dtype), routing(2, seed=30)
+        y = client.moe_remote(0, x, ids, w)
+        torch.testing.assert_close(y.float(), dense(x, ids, w, weights[0], remote[0]), rtol=tol, atol=tol)
+        assert _metric(port, "steps") == steps
         client.sock.close()
         proc.communicate(timeout=30)
     finally:

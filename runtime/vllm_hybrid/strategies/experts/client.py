@@ -476,6 +476,8 @@ class Client(RegionClient):
             return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
         # the step's share by its tokens (a CUDA graph is captured per step size: one branch each)
         in_place = next((ip for most, ip in self.layers[layer].in_place if rows <= most), None)
+        if in_place is not None and len(in_place.ids) == len(self.layers[layer].ids):  # nothing left for the pod
+            return local(x, topk_weights, topk_ids) + in_place.compute(x, topk_ids, topk_weights)
         self.side.submit(layer, x, topk_ids if in_place is None else in_place.for_pod(topk_ids), topk_weights)
         out = local(x, topk_weights, topk_ids)
         if in_place is not None:  # while the pod computes the rest
