@@ -142,7 +142,6 @@ class Held:
     in_place: list[tuple[int, InPlace]] = field(default_factory=list)
     num_experts: int = 0  # the layer's, global ids 0 .. num_experts - 1
 
-
     @property
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(w13, w2) in the region, per remote expert."""
@@ -277,6 +276,7 @@ class Client(RegionClient):
         self.remote, self.max_rows, self.device = remote, max_rows, device
         self.keep = False  # the plan leaves the CPU pod room to keep W4A16 stacks for large steps here (KEEP_ENV)
         self.uva_shares: list[tuple[int, float]] = []  # UVA_SHARE_ENV, parsed
+        self.dev_flat: torch.Tensor | None = None  # the region as the GPU reads it in place (mapped: InPlace)
         self.layers: dict[int, Held] = {}
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None
@@ -396,7 +396,7 @@ class Client(RegionClient):
             if held.large is None or held.large.laid_out is None:
                 return None
             from ...cpupod import memops
-            if not hasattr(self, "dev_flat"):
+            if self.dev_flat is None:
                 self.dev_flat = memops.as_device(self.flat)  # the region registered mapped (open_weights)
             base = self.flat.data_ptr()
             views = {role: self.dev_flat[t.data_ptr() - base:][:t.nbytes].view(t.dtype).view(held.large.laid_out[role])
