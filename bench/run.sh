@@ -12,6 +12,9 @@
 #   HYBRID_BENCH_CONCURRENCY=1,4,16 HYBRID_BENCH_PROMPT_TOKENS=32 HYBRID_BENCH_OUTPUT_TOKENS=16
 #   HYBRID_BENCH_TTFT=1024 HYBRID_BENCH_BATCHED_TOKENS=512 (bench/results/README.md): about 5 minutes each.
 #   HYBRID_BENCH_GPU_GIB=24: every configuration within 24 GiB of the GPU (a 4090-class budget on a larger card).
+#   HYBRID_EXPERTS_UVA_SHARE=0 (or 1:0.5,4:0.4): p-experts* without the GPU's in-place share of the pod's experts, or
+#   with these shares instead of the launcher's (with HYBRID_BENCH_NODE_FIGURES=<the first run's gpu_bench.json> for an
+#   A/B on the same figures; bench/results/README.md).
 # Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1
