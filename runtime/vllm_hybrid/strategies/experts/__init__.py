@@ -247,14 +247,20 @@ def in_place_shares(plan: Plan, split: Split, lay: Layout, hw: Hardware, rows: i
     in place over PCIe (io.UVA_SHARE_ENV) while the pod computes the rest: the share that ends both at once, from the
     pod's step (pod_step_s: its kernel's call as measured on this node, else the DRAM read) and the routed experts'
     bytes read at pcie_gbs (vLLM's UVA offload's read). Where the main stage keeps the stacks in Marlin's layout."""
-    shape, out, tokens = split.shape, [], 1
-    if not (kept_format(shape) and marlin_in_place(shape) and pod_keeps_stacks(plan, lay, shape)):
+    out, tokens = [], 1
+    if not shares_in_place(plan, split, lay):
         return out
     while tokens <= rows:
         pod, gpu = pod_step_s(plan, split, lay, hw, tokens, rows), in_place_read_s(split, lay, hw, tokens)
         out.append((tokens, round(pod / (pod + gpu), 2)))
         tokens *= 2
     return out
+
+
+def shares_in_place(plan: Plan, split: Split, lay: Layout) -> bool:
+    """The main stage keeps the pod's stacks in Marlin's layout, which the GPU reads in place (in_place_shares)."""
+    shape = split.shape
+    return kept_format(shape) and marlin_in_place(shape) and pod_keeps_stacks(plan, lay, shape)
 
 
 def in_place_read_s(split: Split, lay: Layout, hw: Hardware, tokens: int) -> float:
@@ -267,7 +273,7 @@ def shared_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: i
     """A pod step with its in-place share (in_place_shares): the pod and the GPU's read end together, no sooner than
     DRAM gives both their bytes (the copy engine and the CPU read the same DRAM)."""
     pod = pod_step_s(plan, split, lay, hw, tokens, rows)
-    if not in_place_shares(plan, split, lay, hw, 1):
+    if not shares_in_place(plan, split, lay):
         return pod
     gpu = in_place_read_s(split, lay, hw, tokens)
     return max(pod * gpu / (pod + gpu), gpu * hw.pcie_gbs / hw.dram_gbs)
@@ -316,7 +322,8 @@ class Experts(Strategy):
         remote = placement(plan, split, ident.stage, counts)
         sock = experts_socket(env, ident.replica, cpu)
         keep = not plan.stages[ident.stage].is_cpu and pod_keeps_stacks(plan, lay, shape)
-        shares = in_place_shares(plan, split, lay, hw or hardware_of(plan), rows) if keep else []
+        shares = ",".join(f"{t}:{share:g}" for t, share in
+                          (in_place_shares(plan, split, lay, hw or hardware_of(plan), rows) if keep else ()))
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(rows),
@@ -325,10 +332,10 @@ class Experts(Strategy):
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
                  (MAX_ROWS_ENV, str(rows)), *(((KEEP_ENV, "1"),) if keep else ())),
             env_defaults=((COUNTS_ENV, counts_file),
-                          *(((UVA_SHARE_ENV, ",".join(f"{t}:{sh:g}" for t, sh in shares)),) if shares else ())),
+                          *(((UVA_SHARE_ENV, shares),) if shares else ())),
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed), ("pod_rows", rows),
                      *((("large_steps", "gpu (the cpu pod keeps the stacks)"),) if keep else ()),
-                     *((("in_place_shares", ",".join(f"{t}:{sh:g}" for t, sh in shares)),) if shares else ())))
+                     *((("in_place_shares", shares),) if shares else ())))
 
     def server(self, plan, lay, ident, env) -> Server | None:
         return cpu_pod_server(plan, lay, ident, env, "experts", "strategies.experts.server", "experts")

@@ -199,7 +199,7 @@ class InPlace:
     def for_pod(self, ids: torch.Tensor) -> torch.Tensor:
         if self.pod_skips.device != ids.device:
             self.pod_skips = self.pod_skips.to(ids.device)
-        return torch.where(self.pod_skips[ids.long()], torch.full_like(ids, self.absent), ids)
+        return ids.masked_fill(self.pod_skips[ids.long()], self.absent)
 
 
 class Unpacked:
@@ -401,10 +401,7 @@ class Client(RegionClient):
             base = self.flat.data_ptr()
             views = {role: self.dev_flat[t.data_ptr() - base:][:t.nbytes].view(t.dtype).view(held.large.laid_out[role])
                      for role, t in held.tensors.items()}
-            emap = torch.full((held.num_experts,), -1, dtype=torch.int32)
-            emap[ids] = torch.tensor([held.ids.index(e) for e in ids], dtype=torch.int32)
-            emap = emap.to(self.device)
-            large = held.large
+            large, emap = held.large, held.large.map_of(ids).to(self.device)
             return InPlace(ids, skips, lambda x, i, w: large(x, i, w, views, expert_map=emap), absent)
         if held.fmt is not None and not held.nearby:
             return None  # the pod gave the region's pages back

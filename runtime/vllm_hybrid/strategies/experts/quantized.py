@@ -169,11 +169,15 @@ class Marlin:
     def __init__(self, layer, quant_args, remote: list[int], num_experts: int):
         # layer: the RoutedExperts module (its intermediate size: Marlin's padding); quant_args: the method's
         # QuantizationArgs (compressed-tensors) or AutoGPTQConfig, which pick the packing
-        self.layer, self.quant_args, self.num_experts = layer, quant_args, num_experts
-        emap = torch.full((num_experts,), -1, dtype=torch.int32)
-        emap[remote] = torch.arange(len(remote), dtype=torch.int32)
-        self.expert_map, self.workspace = emap, None
+        self.layer, self.quant_args, self.num_experts, self.remote = layer, quant_args, num_experts, remote
+        self.expert_map, self.workspace = self.map_of(remote), None
         self.laid_out: dict[str, torch.Size] | None = None  # the Marlin shapes the region's stacks hold, once written
+
+    def map_of(self, ids: list[int]) -> torch.Tensor:
+        """An expert map computing only `ids` (of the remote ones): global id -> index in the stacks, else -1."""
+        emap = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        emap[ids] = torch.tensor([self.remote.index(e) for e in ids], dtype=torch.int32)
+        return emap
 
     def repack(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The stacks as the loader wrote them (on CUDA) -> Marlin's, by role."""
