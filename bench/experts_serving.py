@@ -129,14 +129,18 @@ def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
                 return y
             step()  # eager once: Marlin's workspace, the skips on the GPU; the protocol outside a graph
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            graph, replay = torch.cuda.CUDAGraph(), step
+            try:
+                with torch.cuda.graph(graph):
+                    step()
+                replay = graph.replay
+            except RuntimeError as e:  # timed eagerly then (launches may then bound a step: said in the row)
+                out.setdefault("eager", repr(e))
             times = []
             for i, r in enumerate(routes):
                 ids.copy_(r)
                 start.record()
-                graph.replay()
+                replay()
                 end.record()
                 end.synchronize()
                 if i >= 2:  # two warm-ups
@@ -147,6 +151,7 @@ def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
                                "median_step_ms": round(statistics.median(times), 2), "gbs": round(read / total / 1e9, 1),
                                "gpu_experts_per_layer": sum(len(ip.ids) for h in client.layers.values()
                                                             for _, ip in h.in_place) / LAYERS}
+            row[str(share)]["graph"] = replay is not step
             print(t, share, json.dumps(row[str(share)]), flush=True)
         best = min(row, key=lambda s: row[s]["ms_per_layer_step"])
         out[str(t)] = {"by_share": row, "gb_read_per_step": round(read / STEPS / 1e9, 3), "best_share": float(best),
