@@ -95,16 +95,23 @@ def keep_for_marlin(client) -> None:
         held.large = quantized.Marlin(layer, args, client.remote[n], E)
 
 
+def layers_step(moe, x, ids, w, gap_cycles: int):
+    """A decode step of LAYERS layers: each layer's remote experts by moe(layer, x, ids, w), then the GPU's own work
+    until the next MoE layer (gap_cycles of sleep)."""
+    def step():
+        y = x
+        for layer in range(LAYERS):
+            y = moe(layer, x, ids[layer], w) + y
+            torch.cuda._sleep(gap_cycles)
+        return y
+    return step
+
+
 def copy_steps(client, x, ids, w, routes, gap_cycles: int) -> float:
     """ms per layer step of the steps above pod_rows: every layer's remote stacks copied in (the next layer's on a side
     stream while this one computes) and computed by Marlin on the GPU (Client.nearby), eagerly (a few launches a
     layer), the same routings."""
-    def step():
-        y = x
-        for layer in range(LAYERS):
-            y = client.nearby(layer, x, ids[layer], w) + y
-            torch.cuda._sleep(gap_cycles)
-        return y
+    step = layers_step(client.nearby, x, ids, w, gap_cycles)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for i, r in enumerate(routes):
@@ -144,13 +151,7 @@ def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
         row = {}
         for share in SHARES:
             client.share_in_place(share)
-
-            def step():
-                y = x
-                for layer in range(LAYERS):
-                    y = client.moe_remote(layer, x, ids[layer], w) + y
-                    torch.cuda._sleep(gap_cycles)
-                return y
+            step = layers_step(client.moe_remote, x, ids, w, gap_cycles)
             step()  # eager once: Marlin's workspace, the skips on the GPU; the protocol outside a graph
             torch.cuda.synchronize()
             graph, replay = torch.cuda.CUDAGraph(), step
@@ -174,7 +175,7 @@ def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
             row[str(share)] = {"ms_per_layer_step": round(total / STEPS / LAYERS * 1e3, 3),
                                "median_step_ms": round(statistics.median(times), 2), "gbs": round(read / total / 1e9, 1),
                                "gpu_experts_per_layer": sum(len(ip.ids) for h in client.layers.values()
-                                                            for _, ip in h.in_place) / LAYERS}
+                                                            for _, ip in h.in_place if ip) / LAYERS}
             row[str(share)]["graph"] = replay is not step
             print(t, share, json.dumps(row[str(share)]), flush=True)
         best = min(row, key=lambda s: row[s]["ms_per_layer_step"])

@@ -81,8 +81,8 @@ def test_autos_picks_in_the_bench_use_what_its_stages_would_measure_here(monkeyp
 
 def test_p_experts_rows_gives_an_explicit_experts_plan_what_auto_would_have_measured(monkeypatch):
     """p-experts-rows: the node's figures as the plan's `hardware`, so an explicit `strategy: experts` gets the pod's
-    step limit auto would set (W4A16 Mixtral at 24 GiB on the 2026-11-29 H200 lease's figures: 8 tokens); without
-    them the limit stays 64."""
+    step limit auto would set (W4A16 Mixtral at 24 GiB on the 2026-11-29 H200 lease's figures: 32 tokens with the GPU's
+    in-place share of one of a layer's two remote experts, 8 with the pod alone); without them the limit stays 64."""
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape, split_layers
     from vllm_hybrid.strategies import get, hardware_of
@@ -102,8 +102,10 @@ def test_p_experts_rows_gives_an_explicit_experts_plan_what_auto_would_have_meas
         plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": "experts", **gpu_bench.SHAPE,
                                "stages": gpu_bench.planned_stages("experts"), **({"hardware": given} if given else {})})
         split = split_layers(plan, model_shape(gpu_bench.MODELS[gpu_bench.MODEL]), None, get("experts"))
-        rows[name] = pod_rows(plan, split, get("experts").layout(plan, split), hardware_of(plan))
-    assert rows == {"measured": 8, "plain": 64}
+        lay = get("experts").layout(plan, split)
+        rows[name] = pod_rows(plan, split, lay, hardware_of(plan))
+        rows[name + " alone"] = pod_rows(plan, split, lay, hardware_of(plan), shared=False)
+    assert rows == {"measured": 32, "measured alone": 8, "plain": 64, "plain alone": 64}
 
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"

@@ -396,7 +396,9 @@ def test_experts_quantized_identity(quantized_moe, arch, fmt, graphs):
     W4A16 MoE kernel quantizes activations to int8 (W4A8) where Marlin does not, so a fixed bound on the parting fits
     no format; INT8 W8A8 quantizes them per token to int8 on both. FP8 runs vLLM's Marlin FP8 MoE kernel on the GPU
     (`--moe-backend marlin`, weight-only, as the pod's W8A16), in the reference too, so both devices compute the same
-    numerics (the default Triton one quantizes activations: an H200 lease saw a 0.61-nat part with it)."""
+    numerics (the default Triton one quantizes activations: an H200 lease saw a 0.61-nat part with it). The GPU's
+    in-place share is off (0): on this tiny model the launcher would share every remote expert (the GPU is far faster
+    than the pod there), and the pod's kernel would compute nothing; the share has its own test, below."""
     check_experts_quantized(quantized_moe, arch, fmt, graphs)
 
 
@@ -413,7 +415,7 @@ def check_experts_quantized(quantized_moe, arch, fmt, graphs, share=0.0):
     model, prompts, backend, ref, cpu_scores = quantized_moe(arch, fmt, graphs)
     name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}{f'-share-{share}' if share else ''}"
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
-                                             gpu_env={**GPU_ENV, experts_io.UVA_SHARE_ENV: str(share)} if share else None,
+                                             gpu_env={**GPU_ENV, experts_io.UVA_SHARE_ENV: str(share)},
                                              extra_args=("--moe-backend", backend) if backend != "auto" else (),
                                              scored=continuations(ref))
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]

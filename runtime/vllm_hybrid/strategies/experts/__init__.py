@@ -26,6 +26,7 @@ from .io import (
     UVA_SHARE_ENV,
     format_placement,
     load_counts,
+    parse_shares,
 )
 from .rates import POD_FORMATS
 
@@ -209,14 +210,18 @@ def placement(plan: Plan, split: Split, gpu: int, counts: Sequence[Sequence[int]
     return place(shape.num_layers, shape.experts, count / shape.num_layers, counts)
 
 
+def remote_per_layer(split: Split, lay: Layout) -> float:
+    """A layer's remote experts, on average (the pod's bytes over a layer's expert bytes)."""
+    return lay.offload_bytes[0] / split.shape.expert_bytes / split.shape.num_layers
+
+
 def pod_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int = DEFAULT_MAX_ROWS) -> float:
     """A step of `tokens` computed by the CPU pod, `rows` at a time: each layer's call of its kernel (cost.moe_calls_s
     as measured on this node, else its routed experts read at experts_efficiency of DRAM) and hand-over."""
     shape, remote = split.shape, lay.offload_bytes[0]
     parts = -(-tokens // rows)
     calls = shape.num_layers * parts * hw.coproc_call_s
-    held = remote / shape.expert_bytes / shape.num_layers  # a layer's remote experts
-    if (kernel := moe_calls_s(hw, shape, held, tokens, parts)) is not None:
+    if (kernel := moe_calls_s(hw, shape, remote_per_layer(split, lay), tokens, parts)) is not None:
         return shape.num_layers * kernel + calls
     flops_per_token = 2 * remote / shape.expert_bytes * shape.expert_elems * shape.routed / shape.experts
     cores = plan.stages[next(cpu for cpu, _ in lay.servers)].cpus or 1
@@ -224,35 +229,37 @@ def pod_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int,
     return cpu_pass_s(read, flops_per_token, tokens, cores, shape, hw, hw.experts_efficiency) + calls
 
 
-def pod_rows(plan: Plan, split: Split, lay: Layout, hw: Hardware) -> int:
+def pod_rows(plan: Plan, split: Split, lay: Layout, hw: Hardware, shared: bool = True) -> int:
     """The largest step (tokens: a power of two up to DEFAULT_MAX_ROWS) the CPU pod computes; larger ones copy each
     layer's remote experts to the GPU, where it computes them (bf16; quantized where the pod keeps the stacks), once
-    the pod's step would outlast that copy (W4A16 Mixtral at 24 GiB on an H200 box: the pod 4.9 ms a layer at 16
-    tokens, the copy 2.8). Only where the pod's kernel was measured on this node (the cost model's own figures would
-    weigh a guess against the copy); else DEFAULT_MAX_ROWS (where the pod keeps no stacks for the GPU, it computes
-    larger steps in parts)."""
+    the pod's step, with the GPU's in-place share where it has one (shared_step_s), would outlast that copy. On an
+    H200 box (bench/experts_serving.py, the real pod and Marlin): Mixtral W4A16, 2 remote experts a layer, the pod
+    alone 4.95 ms a layer at 16 tokens against the copy's 3.31, with one expert shared 2.56, and 3.76 at 64; the
+    235B's, 53 remote, with its share 5.03 ms at 32 tokens against the copy's 9.32. Only where the pod's kernel was
+    measured on this node (the cost model's own figures would weigh a guess against the copy); else DEFAULT_MAX_ROWS
+    (where the pod keeps no stacks for the GPU, it computes larger steps in parts). shared: False where the user turned
+    the share off (the pod's step alone)."""
     shape = split.shape
     if not hw.moe_expert_gbs or (quantized_experts(shape) and not pod_keeps_stacks(plan, lay, shape)):
         return DEFAULT_MAX_ROWS
     def gpu_s(tokens: int) -> float:  # the step's copies, every layer's, as the cost model streams them
         return prefetch_cost(lay.offload_bytes[0], Workload(tokens), plan, hw).step_s
     rows = 1
-    while rows < DEFAULT_MAX_ROWS and pod_step_s(plan, split, lay, hw, 2 * rows) <= gpu_s(2 * rows):
+    step_s = shared_step_s if shared else pod_step_s
+    while rows < DEFAULT_MAX_ROWS and step_s(plan, split, lay, hw, 2 * rows, DEFAULT_MAX_ROWS) <= gpu_s(2 * rows):
         rows *= 2
     return rows
 
 
 def in_place_shares(plan: Plan, split: Split, lay: Layout, hw: Hardware, rows: int) -> list[tuple[int, float]]:
     """Per pod step size (1, 2, 4, ... tokens up to `rows`), the share of each layer's remote experts the GPU computes
-    in place over PCIe (io.UVA_SHARE_ENV) while the pod computes the rest: the share that ends both at once, from the
-    pod's step (pod_step_s: its kernel's call as measured on this node, else the DRAM read) and the routed experts'
-    bytes read at pcie_gbs (vLLM's UVA offload's read). Where the main stage keeps the stacks in Marlin's layout."""
+    in place over PCIe (io.UVA_SHARE_ENV) while the pod computes the rest (in_place_split). Where the main stage keeps
+    the stacks in Marlin's layout."""
     out, tokens = [], 1
     if not shares_in_place(plan, split, lay):
         return out
     while tokens <= rows:
-        pod, gpu = pod_step_s(plan, split, lay, hw, tokens, rows), in_place_read_s(split, lay, hw, tokens)
-        out.append((tokens, round(pod / (pod + gpu), 2)))
+        out.append((tokens, in_place_split(plan, split, lay, hw, tokens, rows)[0]))
         tokens *= 2
     return out
 
@@ -269,14 +276,23 @@ def in_place_read_s(split: Split, lay: Layout, hw: Hardware, tokens: int) -> flo
     return lay.offload_bytes[0] * (1 - (1 - shape.routed / shape.experts) ** tokens) / (hw.pcie_gbs * 1e9)
 
 
+def in_place_split(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int) -> tuple[float, float]:
+    """(share, seconds) of a pod step of `tokens` with the GPU's in-place share: of the k of a layer's n remote experts
+    the client can share (client.spread takes int(n x share)), the k at which the later of the pod (pod_step_s, its
+    part) and the GPU's read (the routed bytes at pcie_gbs, its part) ends soonest; no sooner than DRAM gives both
+    their bytes (the copy engine and the CPU read the same DRAM). A Mixtral layer's 2 remote experts share none or
+    one: a balance of 0.4 would share none."""
+    pod, gpu = pod_step_s(plan, split, lay, hw, tokens, rows), in_place_read_s(split, lay, hw, tokens)
+    n = max(1, round(remote_per_layer(split, lay)))
+    seconds, k = min((max((1 - k / n) * pod, k / n * gpu), k) for k in range(n + 1))
+    return math.ceil(k / n * 100) / 100, max(seconds, gpu * hw.pcie_gbs / hw.dram_gbs)  # up: int(n x share) is k
+
+
 def shared_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int) -> float:
-    """A pod step with its in-place share (in_place_shares): the pod and the GPU's read end together, no sooner than
-    DRAM gives both their bytes (the copy engine and the CPU read the same DRAM)."""
-    pod = pod_step_s(plan, split, lay, hw, tokens, rows)
+    """A pod step with its in-place share (in_place_split), or the pod's alone where the GPU reads none in place."""
     if not shares_in_place(plan, split, lay):
-        return pod
-    gpu = in_place_read_s(split, lay, hw, tokens)
-    return max(pod * gpu / (pod + gpu), gpu * hw.pcie_gbs / hw.dram_gbs)
+        return pod_step_s(plan, split, lay, hw, tokens, rows)
+    return in_place_split(plan, split, lay, hw, tokens, rows)[1]
 
 
 class Experts(Strategy):
@@ -313,8 +329,12 @@ class Experts(Strategy):
         return Layout(self.name, (gpu,), (split.shape.num_layers,), (remote,), servers=((cpu, gpu),))
 
     def stage(self, plan, split, lay, ident, env, hw=None) -> StageExtras:
-        cpu, shape = next(c for c, g in lay.servers if g == ident.stage), split.shape
-        rows = pod_rows(plan, split, lay, hw or hardware_of(plan))
+        cpu, shape, hw = next(c for c, g in lay.servers if g == ident.stage), split.shape, hw or hardware_of(plan)
+        try:  # the user's shares, where given: all 0 turns the share off, and the pod's step is then its own
+            off = UVA_SHARE_ENV in env and not any(share for _, share in parse_shares(env[UVA_SHARE_ENV]))
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        rows = pod_rows(plan, split, lay, hw, shared=not off)
         # the stage's env may name another file, or none (empty: no counting, placed evenly)
         counts_file = env.get(COUNTS_ENV, counts_path(env, plan.model, shape.num_layers, shape.experts))
         counts, placed = (read_counts(counts_file, shape.num_layers, shape.experts) if counts_file
@@ -323,7 +343,7 @@ class Experts(Strategy):
         sock = experts_socket(env, ident.replica, cpu)
         keep = not plan.stages[ident.stage].is_cpu and pod_keeps_stacks(plan, lay, shape)
         shares = ",".join(f"{t}:{share:g}" for t, share in
-                          (in_place_shares(plan, split, lay, hw or hardware_of(plan), rows) if keep else ()))
+                          (in_place_shares(plan, split, lay, hw, rows) if keep else ()))
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(rows),

@@ -37,6 +37,7 @@ from .io import (
     IoViews,
     load_counts,
     parse_placement,
+    parse_shares,
 )
 from .kernels import compute
 
@@ -138,8 +139,9 @@ class Held:
     nearby: bool = False
     dtype: torch.dtype = torch.bfloat16  # the activations' (dequantized experts are computed in it)
     large: quantized.Marlin | None = None  # kept, on CUDA: f(x, ids, weights, the staged tensors by role)
-    # shares of the experts the main stage computes at the pod's steps too: (steps of up to this many tokens, InPlace)
-    in_place: list[tuple[int, InPlace]] = field(default_factory=list)
+    # shares of the experts the main stage computes at the pod's steps too: (steps of up to this many tokens, InPlace;
+    # None: that size's share took none of the layer's)
+    in_place: list[tuple[int, InPlace | None]] = field(default_factory=list)
     num_experts: int = 0  # the layer's, global ids 0 .. num_experts - 1
 
     @property
@@ -162,22 +164,6 @@ class Held:
         if self.fmt is not None:
             return quantized.Dequantized(self.fmt, dict(zip(self.tensors, stacks)), self.dtype)
         return Unpacked(stacks, self.packed) if self.packed else list(zip(*stacks))
-
-
-def parse_shares(text: str) -> list[tuple[int, float]]:
-    """UVA_SHARE_ENV: "0.5" (every pod step) or "1:0.5,4:0.3" (steps of up to 1 token: 0.5, up to 4: 0.3, larger: none)
-    -> [(max tokens, share)] by tokens; 0 for every step: none."""
-    out = []
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        rows, _, share = part.rpartition(":")
-        try:
-            pair = (int(rows) if rows else DEFAULT_MAX_ROWS, float(share))
-        except ValueError:
-            pair = (0, -1.0)
-        if pair[0] < 1 or not 0 <= pair[1] <= 1:
-            raise ValueError(f"{UVA_SHARE_ENV}={text!r}: a share 0-1, or TOKENS:SHARE pairs such as 1:0.5,4:0.3")
-        out.append(pair)
-    return sorted(out)
 
 
 def spread(ids: Sequence[int], share: float) -> list[int]:
@@ -375,7 +361,9 @@ class Client(RegionClient):
     def share_in_place(self, shares: float | list[tuple[int, float]] | None = None) -> int:
         """After lay_out_kept: a share of each layer's remote experts computed here at the pod's steps (InPlace), by
         the step's tokens (parse_shares; a number: every step), where the main stage reads their stacks: on CUDA, the
-        layers laid out for Marlin; on CPU (tests), bf16 layers and kept ones. The layers given a share."""
+        layers laid out for Marlin; on CPU (tests), bf16 layers and kept ones. A step size whose share takes none of a
+        layer's experts keeps None there (its steps are the pod's alone, not the next size's). The layers given a
+        share."""
         shares = self.uva_shares if shares is None else shares
         shares = [(self.max_rows, shares)] if isinstance(shares, float | int) else shares
         done = 0
@@ -383,9 +371,8 @@ class Client(RegionClient):
             held.in_place = []
             for rows, share in shares:
                 ids = spread(held.ids, share)
-                if ids and (in_place := self.in_place_of(held, ids)) is not None:
-                    held.in_place.append((rows, in_place))
-            done += bool(held.in_place)
+                held.in_place.append((rows, self.in_place_of(held, ids) if ids else None))
+            done += any(ip for _, ip in held.in_place)
         return done
 
     def in_place_of(self, held: Held, ids: list[int]) -> InPlace | None:

@@ -138,3 +138,19 @@ def load_counts(path: str) -> tuple[dict[str, list[int]], int]:
 def _dtype(name: str):
     import torch  # only where a region is viewed: the launcher reads the names above without torch
     return getattr(torch, name)
+
+
+def parse_shares(text: str) -> list[tuple[int, float]]:
+    """UVA_SHARE_ENV: "0.5" (every pod step) or "1:0.5,4:0.3" (steps of up to 1 token: 0.5, up to 4: 0.3, larger: none)
+    -> [(max tokens, share)] by tokens; 0 for every step: none."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        rows, _, share = part.rpartition(":")
+        try:
+            pair = (int(rows) if rows else DEFAULT_MAX_ROWS, float(share))
+        except ValueError:
+            pair = (0, -1.0)
+        if pair[0] < 1 or not 0 <= pair[1] <= 1:
+            raise ValueError(f"{UVA_SHARE_ENV}={text!r}: a share 0-1, or TOKENS:SHARE pairs such as 1:0.5,4:0.3")
+        out.append(pair)
+    return sorted(out)

@@ -285,7 +285,7 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             if laid:
                 logger.info("experts: the kept stacks of %d layers rewritten in Marlin's layout in %.1f s", laid, took)
             if shared := client.share_in_place():
-                here = {rows: sum(len(ip.ids) for h in client.layers.values() for most, ip in h.in_place if most == rows)
+                here = {rows: sum(len(ip.ids) for h in client.layers.values() for most, ip in h.in_place if most == rows and ip)
                         for rows, _ in client.uva_shares}
                 logger.info("experts: %d layers' remote experts shared at the pod's steps (%s=%s): of %d, computed here "
                             "in place at steps of up to %s", shared, UVA_SHARE_ENV, os.environ.get(UVA_SHARE_ENV),
