@@ -8,8 +8,10 @@ without --purge): an image whose build did not change is neither exported nor im
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ CACHE = Path(os.environ.get("HYBRID_E2E_CACHE", Path.home() / ".cache" / "hybrid
 IMAGE_PREFIX = "localhost/hybrid-inference/"
 BUILD_LABEL = "hybrid.inference.dev/build"
 BASE_IMAGE = "docker.io/library/python:3.11.14-slim-bookworm"  # ../shared/node/base-image.sh's stand-in
+NODE_WAIT_S = 2400  # a whole real-node module of another run on this machine (~15 min on 2 cores), with room
 
 
 def unavailable_reason() -> str | None:
@@ -43,6 +46,41 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600)
     return proc.stdout
 
 
+def hold_the_node(wait_s: float = NODE_WAIT_S) -> int:
+    """One node per machine (../shared/node: fixed host paths, one containerd store under CACHE): a second run
+    waits for the first's node to go instead of deleting its state under it (stop 66's CI met a node whose pod
+    volumes were mounted). The lock goes with the process, so a killed run leaves none."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    fd = os.open(CACHE / "node.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise AssertionError(f"another run on this machine held the real node ({CACHE / 'node.lock'}) "
+                                     f"for over {wait_s:.0f} s") from None
+            time.sleep(5)
+
+
+def stop_a_killed_runs_node(env: dict[str, str]) -> None:
+    """What a run killed before its node-down.sh left: its daemons (node-down.sh stops only those started from
+    its own KUBE_BIN, and a killed run's may be another checkout's) and their mounts under CACHE/node."""
+    state = str(CACHE / "node")
+    for pid_file in (CACHE / "node" / "pids").glob("*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        # containerd stays for node-down.sh, which first removes its containers through it
+        if state in cmdline and "containerd --config" not in cmdline:
+            os.kill(pid, signal.SIGKILL)
+    subprocess.run(["bash", str(NODE_SCRIPTS / "node-down.sh")], env=env, capture_output=True, timeout=300)
+
+
 class RealNode:
     """The control plane (no fake nodes, the node-lifecycle controller on) and one real node."""
 
@@ -60,6 +98,9 @@ class RealNode:
     def up(self) -> RealNode:
         t0 = time.monotonic()
         (self.work / "no-archives").mkdir(parents=True, exist_ok=True)
+        self._lock = hold_the_node()
+        self.times["waited for the node"] = time.monotonic() - t0
+        stop_a_killed_runs_node(self.env)
         # only the image stores outlive a node: the kubelet's credentials and state belong to its control plane
         for entry in (CACHE / "node").glob("*"):
             if entry.name not in ("containerd", "buildah"):
@@ -97,6 +138,8 @@ class RealNode:
     def down(self) -> None:
         subprocess.run(["bash", str(NODE_SCRIPTS / "node-down.sh")], env=self.env, capture_output=True, timeout=300)
         self.cluster.down()
+        if lock := getattr(self, "_lock", None):
+            os.close(lock)  # the next run on this machine may take the node
 
     def ctr(self, *args: str, timeout: float = 900) -> str:
         sock = CACHE / "node" / "containerd" / "containerd.sock"

@@ -35,3 +35,46 @@ def test_other_failures_and_a_second_exit_fail_the_node(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="coredns exited"):
         node.node_up()
     assert runs(tmp_path) == 2
+
+
+def test_a_second_run_waits_for_the_node_and_takes_it_when_the_first_goes(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(realnode, "CACHE", tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; sys.path[:0] = [sys.argv[1]]; "
+                               "fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+                               "print('held', flush=True); time.sleep(60)",
+                               str(tmp_path), str(tmp_path / "node.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(AssertionError, match="another run on this machine held the real node"):
+            realnode.hold_the_node(wait_s=1)
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(realnode.hold_the_node(wait_s=1))  # a killed holder leaves no lock
+
+
+def test_a_killed_runs_daemons_are_stopped_and_containerd_left_to_node_down(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(realnode, "CACHE", tmp_path)
+    monkeypatch.setattr(realnode, "NODE_SCRIPTS", tmp_path)
+    (tmp_path / "node-down.sh").write_text('echo ran > "$RUNS"\n')
+    state = tmp_path / "node"
+    (state / "pids").mkdir(parents=True)
+    started = {name: subprocess.Popen(["bash", "-c", f'exec -a "{name} {state}/conf/{name}.yaml" sleep 60'])
+               for name in ("kubelet", "containerd --config")}
+    started["reused pid"] = subprocess.Popen(["sleep", "60"])  # a pid file whose process is no node daemon now
+    try:
+        for name, proc in started.items():
+            (state / "pids" / f"{name.split()[0]}.pid").write_text(str(proc.pid))
+        realnode.stop_a_killed_runs_node({"PATH": os.environ["PATH"], "RUNS": str(tmp_path / "runs")})
+        assert started["kubelet"].wait(timeout=10) == -9
+        assert started["containerd --config"].poll() is None  # node-down.sh removes its containers first
+        assert started["reused pid"].poll() is None
+        assert (tmp_path / "runs").read_text() == "ran\n"
+    finally:
+        for proc in started.values():
+            proc.kill()
