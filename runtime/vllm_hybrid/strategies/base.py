@@ -137,6 +137,10 @@ class Strategy(BudgetRules):
         the strategies that can); None: it can."""
         return None
 
+    def refused_node(self, shape: ModelShape, hw: Hardware) -> str | None:
+        """Why it cannot run this model on these nodes, by what their stages measured at start (hw); None: it can."""
+        return None
+
     # what runs
     def layout(self, plan: Plan, split: Split) -> Layout:
         raise NotImplementedError

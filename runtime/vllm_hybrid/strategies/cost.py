@@ -22,6 +22,7 @@ class Hardware:
     moe_call_s: float = 0.0
     moe_expert_gbs: float = 0.0
     moe_pair_s: float = 0.0
+    moe_unserved: float = 0.0  # 1: the cpu stage's node has no kernel for the model's quantized experts (measured)
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)

@@ -148,8 +148,8 @@ def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, flo
     if fmt != "bf16" and fmt not in FORMATS:
         raise ValueError(f"{SPEC_ENV}={spec!r}: format one of bf16, {', '.join(FORMATS)}")
     dtype, here = torch.bfloat16, candidates(fmt, hidden, inter)
-    if not here:  # no kernel for the format on this CPU: no figures (the expert server refuses it by name at start)
-        return {}
+    if not here:  # no kernel for the format on this CPU: the expert server would refuse it at start, so auto must not
+        return {"moe_unserved": 1.0}
     # a quantized expert's bytes as stored, its scales' too: one expert prepared
     expert_bytes = 3 * hidden * inter * 2 if fmt == "bf16" else layer_of(fmt, 1, hidden, inter, here[0], top_k).expert_bytes
     n = max(top_k, min(experts, nbytes // expert_bytes))
