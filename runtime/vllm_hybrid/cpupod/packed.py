@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from ..formats import cpu_flags
+
 BLOCK_ROWS = {"sgl": 32, "amx": 16, "vec": 16}
 
 
@@ -105,13 +107,8 @@ def vllm_cpu_ops(*names: str) -> bool:
 
 
 def cpu_flag(*names: str) -> bool:
-    """One of these flags is in /proc/cpuinfo's."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return any(n in flags for n in names)
+    """One of these flags is in /proc/cpuinfo's (formats.cpu_flags: the one reader of it)."""
+    return not cpu_flags().isdisjoint(names)
 
 
 def _amx_or(flag: str) -> bool:
