@@ -6,6 +6,7 @@ pipeline computes the same split without talking to the others.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -193,8 +194,25 @@ class ModelShape:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+def check_model_readable(path: Path, readable=lambda f: os.access(f, os.R_OK)) -> None:
+    """vLLM reports a weight file this uid cannot read as missing, and only when it loads the weights, a minute
+    into each start: refused before vLLM starts, naming the files."""
+    try:
+        files = sorted(f for f in path.iterdir() if f.suffix in MODEL_FILE_SUFFIXES and f.is_file())
+    except PermissionError:
+        files = [path]
+    if denied := [f.name for f in files if not readable(str(f))]:
+        more = f" and {len(denied) - 3} more" if len(denied) > 3 else ""
+        raise PlanError(f"model: uid {os.getuid()} cannot read {', '.join(denied[:3])}{more} in {path}: make the "
+                        "model's files readable by the pods' user (uid 1000 in the runtime images; chmod a+r)")
+
+
 def _power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+# what vLLM reads from a model directory: weights (and their index), configs, tokenizer files
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".tiktoken", ".txt")
 
 
 def read_model_config(model: str) -> dict:
@@ -203,6 +221,8 @@ def read_model_config(model: str) -> dict:
     if not config.is_file():
         raise PlanError(f"model: no config.json at {config} (missing model files? the model must be a "
                         "local directory mounted into the pod)")
+    if path.is_dir():
+        check_model_readable(path)
     try:
         return json.loads(config.read_text())
     except json.JSONDecodeError as e:

@@ -349,3 +349,19 @@ def test_an_unreadable_file_vllm_calls_missing_is_named_as_unreadable(tmp_path):
     assert unreadable_note(line) == line  # readable (root): nothing added
     gone = "FileNotFoundError: No such file or directory: /models/none/model.safetensors"
     assert unreadable_note(gone, readable=lambda p: False) == gone  # really missing: nothing added
+
+
+def test_model_files_this_uid_cannot_read_are_refused_before_vllm_starts(tmp_path):
+    """The launcher names them at once (vLLM would call one missing a minute into each start); files vLLM does not
+    read (a README) do not count. A stand-in answers for uid 1000, as above: the tests run as root."""
+    from vllm_hybrid.planner import PlanError, check_model_readable, read_model_config
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "tokenizer.json", "README.md"):
+        (tmp_path / name).write_text("{}")
+    read_model_config(str(tmp_path))  # all readable (root)
+    root_only = {"model-00002-of-00002.safetensors", "README.md"}
+    with pytest.raises(PlanError) as e:
+        check_model_readable(tmp_path, readable=lambda f: os.path.basename(f) not in root_only)
+    assert str(e.value).startswith(f"model: uid {os.getuid()} cannot read model-00002-of-00002.safetensors in {tmp_path}")
+    assert "README" not in str(e.value) and "chmod a+r" in str(e.value)
+    check_model_readable(tmp_path, readable=lambda f: not f.endswith("README.md"))  # not one vLLM reads
