@@ -26,9 +26,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HYBRID_BENCH_OUT=${HYBRID_BENCH_OUT:-
 mkdir -p "$HYBRID_BENCH_OUT"
 # what the CPU stage's GEMMs reach on this box, and which kernel/placement every configuration's CPU stage then uses
 # (measured once per machine: a file measured on another box, a committed one included, is measured again); not for
-# p-experts* alone: the expert server times its own kernels at start, and 2 of a 10-minute call's minutes go to it
+# p-experts*, p-offload and p-prefetch-plain alone: the expert server times its own kernels at start, offloading
+# computes nothing on the CPU, and 2 of a 10-minute call's minutes go to it
 measure=$(( $# == 0 ))
-for config in "$@"; do case $config in p-experts*) ;; *) measure=1 ;; esac; done
+for config in "$@"; do case $config in p-experts*|p-offload|p-prefetch-plain) ;; *) measure=1 ;; esac; done
 if [ "$measure" = 1 ]; then
   PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps CUDA_VISIBLE_DEVICES= \
     VLLM_TARGET_DEVICE=cpu python3 bench/cpu_kernels.py "$HYBRID_BENCH_OUT/cpu_kernels.json" || exit 1
