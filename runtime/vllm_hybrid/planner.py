@@ -194,6 +194,14 @@ class ModelShape:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+# what vLLM reads from a model directory: weights (and their index), configs, tokenizer files
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".tiktoken", ".txt")
+
+
 def check_model_readable(path: Path, readable=lambda f: os.access(f, os.R_OK)) -> None:
     """vLLM reports a weight file this uid cannot read as missing, and only when it loads the weights, a minute
     into each start: refused before vLLM starts, naming the files."""
@@ -205,14 +213,6 @@ def check_model_readable(path: Path, readable=lambda f: os.access(f, os.R_OK)) -
         more = f" and {len(denied) - 3} more" if len(denied) > 3 else ""
         raise PlanError(f"model: uid {os.getuid()} cannot read {', '.join(denied[:3])}{more} in {path}: make the "
                         "model's files readable by the pods' user (uid 1000 in the runtime images; chmod a+r)")
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-# what vLLM reads from a model directory: weights (and their index), configs, tokenizer files
-MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".tiktoken", ".txt")
 
 
 def read_model_config(model: str) -> dict:
