@@ -10,6 +10,8 @@ set -uo pipefail
 python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/hyb ./runtime || exit 1  # --upgrade: replace an earlier call's copy
 export HYBRID_GPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-gpu:/tmp/vb/deps
 export HYBRID_CPU_PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps
+# kt-kernel where the lease carried it (unpacked to /tmp/kt: tests/gpu/README.md), as bench/run.sh
+[ -d /tmp/kt/kt_kernel ] && HYBRID_CPU_PYTHONPATH+=:/tmp/kt
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/hybrid-gpu}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | grep -i -m1 "numa node(s)"

