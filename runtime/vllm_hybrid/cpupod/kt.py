@@ -12,7 +12,8 @@ KTMoEWrapper: that one wants a weight_path, pinned (CUDA) buffers and a GPU stre
             loader leaves (8 values along K, stored + 8) and fp32 K/G x N scales, as kt-kernel's GPTQSafeTensorLoader
             hands them over; AVXVNNI256GPTQInt4Packed_MOE (int4 resident), else the unpacked one, else AVX2's
   RAWINT4   the same checkpoint as compressed-tensors stores it (N x K/2 bytes, bf16 N x K/G scales; its
-            CompressedSafeTensorLoader's layout): AMXInt4_KGroup_MOE, kt-kernel's pick for it
+            CompressedSafeTensorLoader's layout): AMXInt4_KGroup_MOE, kt-kernel's pick for it, where it computes
+            right (amx_kgroup_runs: groups of 32), else AVXVNNI256RawInt4_MOE, else AVX2RawInt4_MOE
 Not driven: LLAMAFILE (MOE class, GGML blocks from memory) gave inf/nan for T=1 here (bf16 and Q8_0 blocks);
 MXFP4/NVFP4/MXFP8/FP8_PERCHANNEL take other checkpoints' layouts.
 The `amx` .so runs these on AMX tiles; the avx512_* builds carry AVX512 fallbacks of the same classes.
@@ -131,10 +132,17 @@ VNNI_MAX_GROUP = {"AVXVNNI256GPTQInt4Packed_MOE": 2048, "AVXVNNI256GPTQInt4_MOE"
 READS_IN_PLACE = ("AVX2RawInt4_MOE",)
 
 
-def int4_backend(moe, method: str, group: int):
+def amx_kgroup_runs(group: int, hidden: int, inter: int) -> bool:
+    """Where kt-kernel's AMX KGroup int4 class (RAWINT4's first: KTransformers' Kimi-K2 kernel) computes right, as
+    probed on an H200 box's CPU (bench/results/kt_int4_probe-h200-2026-12-03.json): groups of 32 (Kimi-K2's) with H and
+    I of 512 or more. Groups of 64 and 128 gave nan or a result 0.98 off; H = I = 256 died of SIGSEGV."""
+    return group == 32 and min(hidden, inter) >= 512
+
+
+def int4_backend(moe, method: str, group: int, hidden: int, inter: int):
     """The class kt-kernel's own order picks for a W4A16 checkpoint's int4 (utils/amx.py _select_gptq_int4_backend,
-    _select_rawint4_backend: AVX-VNNI ones only where the CPU has it and takes the group), and its override,
-    KT_<METHOD>_BACKEND."""
+    _select_rawint4_backend: AVX-VNNI ones only where the CPU has it and takes the group; the AMX one only where
+    amx_kgroup_runs), and its override, KT_<METHOD>_BACKEND."""
     names = ({"packed": "AVXVNNI256GPTQInt4Packed_MOE", "avxvnni": "AVXVNNI256GPTQInt4_MOE",
               "avx2": "AVX2GPTQInt4_MOE"} if method == "GPTQ_INT4" else
              {"amx": "AMXInt4_KGroup_MOE", "avxvnni": "AVXVNNI256RawInt4_MOE", "avx2": "AVX2RawInt4_MOE"})
@@ -142,6 +150,8 @@ def int4_backend(moe, method: str, group: int):
 
     def runs(name: str) -> bool:
         limit = VNNI_MAX_GROUP.get(name)
+        if name == "AMXInt4_KGroup_MOE" and not amx_kgroup_runs(group, hidden, inter):
+            return False
         return hasattr(moe, name) and (limit is None or (vnni and group % 32 == 0 and group <= limit))
     forced = os.environ.get(f"KT_{method}_BACKEND", "").lower()
     for key, name in names.items():
@@ -221,7 +231,7 @@ class KtLayer:
             cfg.gate_projs, cfg.up_projs, cfg.down_projs = ([[t[x].data_ptr() for x in range(e)]] for t in (gq, uq, dq))
             cfg.gate_scales, cfg.up_scales, cfg.down_scales = ([[t[x].data_ptr() for x in range(e)]] for t in (gs, us, ds))
             cfg.quant_config.bits, cfg.quant_config.group_size, cfg.quant_config.zero_point = 4, group, False
-            kind = int4_backend(moe, method, group)
+            kind = int4_backend(moe, method, group, h, inter)
         else:  # AMXINT8 / AMXINT4: stacked E x I x H gate, up and E x H x I down, quantized by kt-kernel at load
             gate, up = w13[:, :inter].to(torch.bfloat16).contiguous(), w13[:, inter:].to(torch.bfloat16).contiguous()
             down = w2.to(torch.bfloat16).contiguous()

@@ -168,6 +168,24 @@ def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_referen
     assert not kernels.kt_runs("int8", stacks_of("int8", w13, w2, remote)[2])
 
 
+def test_kt_kernels_amx_kgroup_class_serves_only_the_groups_it_was_found_right_at(monkeypatch):
+    """RAWINT4: kt-kernel's order (AMX KGroup, AVX-VNNI, AVX2), but the AMX class only at groups of 32 with H and I of
+    512 or more (an H200 box's probe: groups of 64 and 128 nan or 0.98 off, 256 x 256 SIGSEGV); forced there, refused."""
+    from types import SimpleNamespace
+
+    from vllm_hybrid.cpupod import kt
+    classes = SimpleNamespace(AMXInt4_KGroup_MOE="amx", AVXVNNI256RawInt4_MOE="vnni", AVX2RawInt4_MOE="avx2")
+    monkeypatch.setattr(kt, "cpu_flag", lambda *names: True)  # AVX-VNNI
+    assert kt.int4_backend(classes, "RAWINT4", 32, 4096, 1536) == "amx"
+    assert kt.int4_backend(classes, "RAWINT4", 128, 4096, 1536) == "vnni"
+    assert kt.int4_backend(classes, "RAWINT4", 32, 256, 256) == "vnni"
+    monkeypatch.setattr(kt, "cpu_flag", lambda *names: False)
+    assert kt.int4_backend(classes, "RAWINT4", 128, 4096, 1536) == "avx2"
+    monkeypatch.setenv("KT_RAWINT4_BACKEND", "amx")
+    with pytest.raises(ValueError, match="no RAWINT4 class runs on this CPU as KT_RAWINT4_BACKEND=amx"):
+        kt.int4_backend(classes, "RAWINT4", 128, 4096, 1536)
+
+
 def region_with(layers: dict[int, tuple[list[int], str, dict]], region) -> tuple[torch.Tensor, list[dict]]:
     """The server's view of quantized layers the main stage wrote: the region's bytes and the manifest's entries."""
     from vllm_hybrid.cpupod import hostmem

