@@ -208,10 +208,19 @@ class RealNode:
         how = "held"
         if not (have and f"{BUILD_LABEL}={image_id}" in have[0]):
             # an earlier build of this name in the node: most of its layers are there, only the new ones travel
-            how = self.import_delta(image_id, ref) if have else self.import_streamed(image_id, ref)
+            how = self.import_delta_or_whole(image_id, ref) if have else self.import_streamed(image_id, ref)
             self.ctr("images", "label", ref, f"{BUILD_LABEL}={image_id}")
         return {"ref": ref, "id": image_id, "build_s": round(built, 1), "load_s": round(time.monotonic() - t1, 1),
                 "load": how, "image": line}
+
+    def import_delta_or_whole(self, image_id: str, ref: str) -> str:
+        """import_delta, else (a layout a killed run left half written, a ctr that refused the archive) the whole
+        archive after the layout is cleared: slower, never a failed run."""
+        try:
+            return self.import_delta(image_id, ref)
+        except Exception as failure:  # noqa: BLE001 - whatever broke, the streamed archive does not depend on it
+            shutil.rmtree(CACHE / "oci" / ref.rsplit(":", 1)[0].rsplit("/", 1)[-1], ignore_errors=True)
+            return f"{self.import_streamed(image_id, ref)} (the delta failed: {str(failure)[-300:]})"
 
     def import_delta(self, image_id: str, ref: str) -> str:
         """The image into containerd with only the blobs its content store lacks: buildah writes it to an OCI layout
