@@ -4,7 +4,8 @@ script and loaded into the node's containerd.
 
 What a machine already has is reused (README of ../shared/node): the stand-in base image's tar, buildah's
 layers and pip's cache mount, and the node's containerd store, which outlives the node (node-down.sh
-without --purge): an image whose build did not change is neither exported nor imported again.
+without --purge): an image whose build did not change is neither exported nor imported again, and a rebuilt one
+carries into containerd only the layers it lacks (RealNode.import_delta).
 """
 from __future__ import annotations
 
