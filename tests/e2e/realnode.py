@@ -52,6 +52,16 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600)
     return proc.stdout
 
 
+def ctr_command(*args: str) -> list[str]:
+    """ctr against the node's containerd, in the namespace the kubelet's images live in."""
+    return ["ctr", "--address", str(CACHE / "node" / "containerd" / "containerd.sock"), "-n", "k8s.io", *args]
+
+
+def oci_layout(ref: str) -> Path:
+    """The OCI layout under CACHE that an image's builds are written to for RealNode.import_delta (by short name)."""
+    return CACHE / "oci" / ref.rsplit(":", 1)[0].rsplit("/", 1)[-1]
+
+
 def hold_the_node(wait_s: float = NODE_WAIT_S) -> int:
     """One node per machine (../shared/node: fixed host paths, one containerd store under CACHE): a second run
     waits for the first's node to go instead of deleting its state under it (stop 66's CI met a node whose pod
@@ -148,8 +158,7 @@ class RealNode:
             os.close(lock)  # the next run on this machine may take the node
 
     def ctr(self, *args: str, timeout: float = 900) -> str:
-        sock = CACHE / "node" / "containerd" / "containerd.sock"
-        return run(["ctr", "--address", str(sock), "-n", "k8s.io", *args], timeout=timeout)
+        return run(ctr_command(*args), timeout=timeout)
 
     def import_streamed(self, image_id: str, ref: str) -> str:
         """buildah's archive of the image read by containerd as it is written, through a FIFO: runtime-cpu is 7 GB
@@ -220,7 +229,7 @@ class RealNode:
         try:
             return self.import_delta(image_id, ref)
         except Exception as failure:  # noqa: BLE001 - whatever broke, the streamed archive does not depend on it
-            shutil.rmtree(CACHE / "oci" / ref.rsplit(":", 1)[0].rsplit("/", 1)[-1], ignore_errors=True)
+            shutil.rmtree(oci_layout(ref), ignore_errors=True)
             return f"{self.import_streamed(image_id, ref)} (the delta failed: {str(failure)[-300:]})"
 
     def import_delta(self, image_id: str, ref: str) -> str:
@@ -231,7 +240,7 @@ class RealNode:
         took 183 s for it, this 70 s (buildah reading the layers it then finds in the layout). The first such import
         may carry most layers (a docker archive's digests can differ from the layout's). Returns what travelled."""
         name, tag = ref.rsplit(":", 1)
-        layout = CACHE / "oci" / name.rsplit("/", 1)[-1]
+        layout = oci_layout(ref)
         layout.parent.mkdir(parents=True, exist_ok=True)
         run(["buildah", "push", "-q", "--disable-compression", image_id, f"oci:{layout}:{tag}"], timeout=1800)
         index = json.loads((layout / "index.json").read_text())
@@ -240,11 +249,10 @@ class RealNode:
         (entry,) = index["manifests"]
         blob = lambda digest: layout / "blobs" / Path(*digest.split(":"))  # noqa: E731
         manifest = json.loads(blob(entry["digest"]).read_text())
-        held = {line.split()[0] for line in self.ctr("content", "ls", "-q").split()}
+        held = set(self.ctr("content", "ls", "-q").split())  # one digest a line
         layers = [d["digest"] for d in manifest["layers"]]
         carried = [entry["digest"], manifest["config"]["digest"], *(d for d in layers if d not in held)]
-        importer = subprocess.Popen(["ctr", "--address", str(CACHE / "node" / "containerd" / "containerd.sock"),
-                                     "-n", "k8s.io", "images", "import", "--base-name", name, "-"],
+        importer = subprocess.Popen(ctr_command("images", "import", "--base-name", name, "-"),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             with tarfile.open(fileobj=importer.stdin, mode="w|") as tar:
