@@ -264,9 +264,10 @@ def run(variant: str, cpus: list[int]) -> dict:
     out["served_with"] = (re.findall(r"threads with (.*?) \(ready", text) or ["?"])[0]
     # the server's own split of its time (every token count's steps, warm-ups included): run one count a call to
     # split each count's layer step into the kernel and the path around it
-    if m := re.search(r"after (\d+) steps .*?busy ([\d.]+) s, in the kernel ([\d.]+) s", text):
-        steps, busy, kernel = int(m.group(1)), float(m.group(2)), float(m.group(3))
-        out["server_ms_per_layer_step"] = {"busy": round(busy / steps * 1e3, 3), "kernel": round(kernel / steps * 1e3, 3)}
+    if m := re.search(r"after (\d+) steps .*?busy ([\d.]+) s, in the kernel ([\d.]+) s, routing ([\d.]+) s, "
+                      r"replying ([\d.]+) s", text):
+        steps, parts = int(m.group(1)), dict(zip(("busy", "kernel", "route", "reply"), map(float, m.groups()[1:])))
+        out["server_ms_per_layer_step"] = {k: round(v / steps * 1e3, 4) for k, v in parts.items()}
     print(json.dumps(out), flush=True)
     return out
 

@@ -186,7 +186,8 @@ def scrape(url: str) -> str | None:
 
 # the counters forward_totals reads, by the names drive and the tests use (hybrid_<name>_total; 0 where absent)
 TOTALS = ("experts_expert_tokens", "experts_routed_pairs", "experts_busy_seconds", "experts_kernel_seconds",
-          "experts_steps", "experts_between_seconds", "experts_betweens", "coproc_busy_seconds", "coproc_products")
+          "experts_route_seconds", "experts_reply_seconds", "experts_steps", "experts_between_seconds",
+          "experts_betweens", "coproc_busy_seconds", "coproc_products")
 
 
 def forward_totals(metrics_urls: list[str]) -> list[dict[str, float]]:
@@ -240,6 +241,9 @@ def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: in
             w["experts_cpu_ms_per_layer_step"] = round(1000 * total("experts_busy_seconds") / n, 3)
             # of it, inside the kernel's calls
             w["experts_kernel_ms_per_layer_step"] = round(1000 * total("experts_kernel_seconds") / n, 3)
+            # and of the path around the kernel: picking the routing apart before it, writing the answer after it
+            w["experts_route_ms_per_layer_step"] = round(1000 * total("experts_route_seconds") / n, 3)
+            w["experts_reply_ms_per_layer_step"] = round(1000 * total("experts_reply_seconds") / n, 3)
             w["experts_cpu_layer_steps"] = int(n)
             if m := total("experts_betweens"):
                 w["experts_between_layers_ms"] = round(1000 * total("experts_between_seconds") / m, 3)

@@ -237,6 +237,10 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         served_rows = sum(rows for layer, rows in [(0, 1), (2, 8), (0, 3), (2, 1), (0, 12), (2, 5)] if rows <= 8)
         assert _metric(port, "routed_pairs") == served_rows * K  # the remote share's base
         assert 0 < _metric(port, "kernel_seconds") < _metric(port, "busy_seconds")  # the rest: the server's own path
+        # of that path, what the counters name: the routing picked apart for a packed kernel's call, the answer
+        route, reply = _metric(port, "route_seconds"), _metric(port, "reply_seconds")
+        assert reply > 0 and route >= 0
+        assert _metric(port, "kernel_seconds") + route + reply < _metric(port, "busy_seconds")
         # a step's next MoE layer (0 -> 2), not a new step's first (2 -> 0) nor a layer the main stage kept (12 rows)
         assert _metric(port, "betweens") == 2 and _metric(port, "between_seconds") > 0
         assert set(re.findall(r"^# TYPE hybrid_experts_\w+ (\w+)$", _scrape(port), re.M)) == {"counter"}
@@ -256,6 +260,8 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
     assert f"closed the connection after {steps} steps ({reads} expert reads, {tokens} expert tokens)" in out
     packed_here = experts_kernels.PACKED_KERNELS if PACKED_KERNELS_HERE else ()  # else torch's, whatever was asked
     served_with = kernel if PACKED_KERNELS_HERE or choice == "torch" else "torch GEMMs"
+    if choice != "auto":  # torch's GEMMs take the routing as it comes
+        assert (route > 0) == (PACKED_KERNELS_HERE and choice != "torch")
     assert f"with {served_with}" in out if choice != "auto" else "kernels measured on layer 2's 3 experts" in out
     # what it measured at start is on its metrics too: the DRAM read always, one figure per kernel and step if auto
     figures = {f"experts_kernel_gbs_{name}_rows_{rows}" for name in ("torch", *packed_here)

@@ -31,6 +31,8 @@ class Served:
     routed_pairs: int = 0   # (token, slot) pairs of the steps served, wherever their expert is: the remote share's base
     busy_s: float = 0.0     # computing (the rest of the time it waits for the main stage)
     kernel_s: float = 0.0   # of which inside the kernel's call (the rest of busy_s: the server's own path around it)
+    route_s: float = 0.0    # of which picking the routing apart before the call (per_routed_row)
+    reply_s: float = 0.0    # of which writing y and the done flag after the layer's compute
     # from one layer's answer to the next layer's request of the same step: the main stage's own work between two
     # MoE layers plus both hand-overs (where a step's time goes beside busy_s)
     between_s: float = 0.0
@@ -162,6 +164,7 @@ def per_routed_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo
     weights, float32; pick: the experts' indices in the stacks, int32."""
     # a decode step's call: the routing is picked apart in numpy (an op costs about a microsecond there, several in
     # torch), and one token's slots are summed by the kernel: 51 us -> 12 us on 2 cores, besides the kernel
+    entered = time.perf_counter()
     rows, k = ids.shape
     where_all = local.numpy()
     where = where_all[np.minimum(ids.numpy().reshape(-1), len(where_all) - 1)]  # past the last remote id: the -1
@@ -173,10 +176,12 @@ def per_routed_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo
     xs = x if one else x.index_select(0, torch.from_numpy(tokens))
     shape = (1, len(slots)) if one else (len(slots), 1)
     routed = torch.from_numpy(weights.float().numpy().reshape(-1)[slots].reshape(shape))
+    pick = torch.from_numpy(picked.reshape(shape))
     t0 = time.perf_counter()
-    out = run(xs, routed, torch.from_numpy(picked.reshape(shape)))
+    out = run(xs, routed, pick)
     if served is not None:
         served.kernel_s += time.perf_counter() - t0
+        served.route_s += t0 - entered
         served.expert_reads += len(set(picked.tolist()))
         served.expert_tokens += len(slots)
     if one:

@@ -57,12 +57,14 @@ def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle
             served.betweens += 1
         with served.lock:  # the step's totals (some counted inside compute) reach a scrape together
             y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
+            computed = time.perf_counter()
             io.y(layer, rows).copy_(y)
             words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
+            last_layer, last_done = layer, time.perf_counter()
             served.steps += 1
             served.routed_pairs += rows * io.layout.top_k
-            last_layer, last_done = layer, time.perf_counter()
             served.busy_s += last_done - t0
+            served.reply_s += last_done - computed
     return served.steps
 
 
@@ -219,6 +221,8 @@ def serve_metrics(port: int, served: Served) -> None:
         ("busy_seconds", "Time this CPU stage spent computing (else waiting for the main stage)", lambda: served.busy_s),
         ("kernel_seconds", "Of busy_seconds, the time inside the expert kernel's calls (the rest: the server's own path "
          "around them)", lambda: served.kernel_s),
+        ("route_seconds", "Of busy_seconds, picking a step's routing apart before the kernel's call", lambda: served.route_s),
+        ("reply_seconds", "Of busy_seconds, writing a layer's answer and its done flag", lambda: served.reply_s),
         ("between_seconds", "Time from one MoE layer's answer to the same step's next request (the main stage's "
          "work between two MoE layers and both hand-overs)", lambda: served.between_s),
         ("betweens", "Intervals summed in between_seconds", lambda: served.betweens))
@@ -234,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_one_session("experts", "strategy experts: the CPU pod's expert server", argv,
                       lambda conn, pages: handle(conn, pages, served), lambda port: serve_metrics(port, served), prepare)
     log.info("the main stage closed the connection after %d steps (%d expert reads, %d expert tokens); busy %.4f s, "
-             "in the kernel %.4f s", served.steps, served.expert_reads, served.expert_tokens, served.busy_s,
-             served.kernel_s)
+             "in the kernel %.4f s, routing %.4f s, replying %.4f s", served.steps, served.expert_reads,
+             served.expert_tokens, served.busy_s, served.kernel_s, served.route_s, served.reply_s)
     return 0
 
 
