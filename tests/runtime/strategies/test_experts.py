@@ -171,6 +171,31 @@ def test_kernel_without_remote_tokens_is_zero_and_reads_nothing():
     assert torch.equal(y, torch.zeros(4, H)) and served.expert_reads == 0
 
 
+def test_a_fused_kernel_gets_each_steps_remote_slots_by_their_index_in_the_stacks():
+    """per_routed_row, what a fused MoE kernel is handed: one token's remote slots as its top-n (ids past the last
+    remote one and the main stage's left out), several tokens' as one row each; no remote slot: zeros, no call."""
+    calls = []
+
+    def run(xs, routed, pick):
+        calls.append((xs.shape[0], routed.tolist(), pick.tolist(), routed.dtype, pick.dtype))
+        return torch.ones(xs.shape[0], H, dtype=xs.dtype)
+    local = experts_kernels.local_index([1, 4, 5])  # ids 6 and 7 lie past it
+    x, served = torch.randn(3, H).to(torch.bfloat16), experts_kernels.Served()
+    weights = torch.tensor([[0.5, 0.25], [0.125, 0.75], [1.0, 2.0]])
+    y = experts_kernels.per_routed_row(x[:1], torch.tensor([[5, 7]], dtype=torch.int32), weights[:1], local, run,
+                                       served)
+    assert calls[-1] == (1, [[0.5]], [[2]], torch.float32, torch.int32) and torch.equal(y, torch.ones(1, H).bfloat16())
+    experts_kernels.per_routed_row(x[:1], torch.tensor([[4, 1]], dtype=torch.int32), weights[1:2], local, run, served)
+    assert calls[-1][1:3] == ([[0.125, 0.75]], [[1, 0]])
+    y = experts_kernels.per_routed_row(x[:1], torch.tensor([[6, 0]], dtype=torch.int32), weights[:1], local, run, served)
+    assert len(calls) == 2 and torch.equal(y, torch.zeros(1, H).bfloat16())
+    ids = torch.tensor([[1, 7], [0, 2], [4, 1]], dtype=torch.int32)
+    y = experts_kernels.per_routed_row(x, ids, weights, local, run, served)
+    assert calls[-1][:3] == (3, [[0.5], [1.0], [2.0]], [[0], [1], [0]])
+    assert y[:, 0].tolist() == [1.0, 0.0, 2.0]  # each token's rows summed: token 1 has no remote slot
+    assert (served.expert_reads, served.expert_tokens) == (1 + 2 + 2, 1 + 2 + 3)
+
+
 def test_kernel_fails_the_reference_when_an_expert_is_dropped():
     """The dense check can fail: the same inputs with one remote expert missing from the kernel's list."""
     all_experts = make_experts(E, torch.float32)

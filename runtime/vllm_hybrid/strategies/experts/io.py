@@ -88,6 +88,7 @@ class IoViews:
         # numpy views: the server spins on these words, and a numpy read costs a tenth of a tensor index
         self.words = raw[:layout.flags_bytes].numpy().view("int32")[::LINE // 4]
         self.cached: dict[tuple[int, int, int], torch.Tensor] = {}  # this region's views: made once, not every step
+        self.steps: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def _view(self, raw, part: int, layer: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         if raw is None and (view := self.cached.get((part, layer % 2, rows))) is not None:
@@ -97,6 +98,13 @@ class IoViews:
         if raw is None:
             self.cached[part, layer % 2, rows] = view
         return view
+
+    def step(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, ids, weights and y of a step of `rows` tokens on `layer`, as the server reads them: one lookup a step."""
+        if (views := self.steps.get((layer % 2, rows))) is None:
+            views = self.steps[layer % 2, rows] = (self.x(layer, rows), self.ids(layer, rows),
+                                                   self.weights(layer, rows), self.y(layer, rows))
+        return views
 
     def x(self, layer: int, rows: int, raw: torch.Tensor | None = None) -> torch.Tensor:
         return self._view(raw, 0, layer, rows, self.layout.hidden, self.dtype)

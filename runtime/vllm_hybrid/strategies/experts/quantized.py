@@ -18,6 +18,7 @@ The formats (ExpertFormat.name), each with the tensors it takes per stack of E e
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -147,12 +148,18 @@ def check_shapes(f: ExpertFormat, w13, w2, w13_scale, w2_scale) -> None:
         fail(f"scales are {want[0]} and {want[1]}")
 
 
+@functools.cache
+def quant_method(name: str) -> int:
+    """vllm._custom_ops.CPUQuantMethod's value for `name`, looked up once (a decode step calls the kernel per layer)."""
+    from vllm._custom_ops import CPUQuantMethod
+    return int(getattr(CPUQuantMethod, name))
+
+
 def fused_experts(x: torch.Tensor, stacks: QuantStacks, routed: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
     """One row per routed (token, slot) pair, top-1 to `pick` (int32 index in the stacks), weighted by `routed`
     (float32): what vLLM's CPUExperts{Fp8,Int8,Int4,Mxfp4}.apply call after their routing."""
-    from vllm._custom_ops import CPUQuantMethod
     return torch.ops._C.fused_experts_cpu(
-        x, stacks.w13, stacks.w2, routed, pick, False, int(getattr(CPUQuantMethod, stacks.fmt.method)),
+        x, stacks.w13, stacks.w2, routed, pick, False, quant_method(stacks.fmt.method),
         *stacks.scales, *stacks.zeros, stacks.block, *stacks.biases, *(stacks.fmt.swiglu or (None, None)), True)
 
 

@@ -56,9 +56,10 @@ def serve(layers: dict[int, LayerExperts], io: IoViews, stop=lambda: False, idle
             served.between_s += t0 - last_done
             served.betweens += 1
         with served.lock:  # the step's totals (some counted inside compute) reach a scrape together
-            y = layers[layer].compute(io.x(layer, rows), io.ids(layer, rows), io.weights(layer, rows), served)
+            x, ids, weights, answer = io.step(layer, rows)
+            y = layers[layer].compute(x, ids, weights, served)
             computed = time.perf_counter()
-            io.y(layer, rows).copy_(y)
+            answer.copy_(y)
             words[DONE] = 1  # x86 stores are ordered: y is visible before the flag
             last_layer, last_done = layer, time.perf_counter()
             served.steps += 1
