@@ -518,6 +518,8 @@ def test_cpu_server_panels_mean_what_they_say(prom, traffic, cpu_servers):
     # exact, even over two scrapes: a scrape reads both counters between two steps (Served.lock)
     assert abs(one("Experts: remote share of routed token-expert pairs", 0, "experts") - 0.5) < 1e-6
     assert 0.9 * BETWEEN_S < one(between, 0, "experts") < 0.5 and 0 < one(between, 1, "experts") < 0.1
+    # the path around the kernel: torch's GEMMs take the routing as it comes (no routing step), the answer is written
+    assert one(between, 3, "experts") == 0 and 0 < one(between, 4, "experts") < one(between, 1, "experts")
     measured = {r["metric"]["figure"]: float(r["value"][1])
                 for r in run("Measured at start (hybrid_stage_measured)", 0, "coproc")}
     assert set(measured) == {"dram_read_gbs", *(f"cpu_products_gbs_{n}x{k}_rows_{t}" for n, k in COPROC_PRODUCTS
