@@ -136,14 +136,14 @@ class KtLayerExperts:
         return self.layer(x, ids, weights)
 
 
-def kt_candidates(fmt: str, threads: int) -> dict:
+def kt_candidates(fmt: str, threads: int, got: dict, save=lambda: None) -> None:
     """kt-kernel's methods for `fmt` on the same shapes, if kt_kernel imports: from bf16 experts it quantizes itself,
     or (GPTQ_INT4, RAWINT4) from the very tensors fused_experts_cpu gets, then its result at 4 tokens beside that
     kernel's (a method this build runs wrongly on this CPU shows there, not as a fast figure). Its workers spin on
-    their cores and a dispatcher thread waits on one more: threads - 1 workers."""
+    their cores and a dispatcher thread waits on one more: threads - 1 workers. Into `got`, each method's figures
+    saved as they come (a lease's call cut at its limit keeps what ran)."""
     if kt_moe is None or kt_moe.kt_variant() is None:
-        return {}
-    got = {}
+        return
     for method in (m for m in KT_METHODS[fmt] if m in kt_moe.AVAILABLE_METHODS):
         make = lambda w13, w2, **q: KtLayerExperts(kt_moe.KtLayer(  # noqa: E731
             method, w13, w2, top_k=K, threads=max(1, threads - 1), max_tokens=max(TOKENS), **q))
@@ -164,8 +164,8 @@ def kt_candidates(fmt: str, threads: int) -> dict:
             del layers
         except Exception as e:  # a method this kt-kernel build or CPU lacks: said in the file, the rest measured
             got[f"kt-{method}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        save()
         time.sleep(0.2)  # its workers spin for ~50 ms after a job: not on the next kernel's time
-    return got
 
 
 def agreement(layer, tensors: dict, fmt: str, tokens: int = 4) -> float:
@@ -185,6 +185,8 @@ def main(path: str) -> None:
     out = {"model": MODEL, "shape": {"hidden": H, "intermediate": INTER, "layers": LAYERS, "remote_per_layer": REMOTE,
                                      "top_k": K, "experts": E},
            "threads": threads, "dram_read_gbs": round(dram_read_gbs(torch), 1), "formats": {}}
+    def save():  # each kernel as it is measured: a lease's call cut at its limit keeps what ran
+        Path(path).write_text(json.dumps(out, indent=1))
     for fmt in FORMATS:
         got = out["formats"][fmt] = {}
         if fmt == "bf16":
@@ -192,15 +194,17 @@ def main(path: str) -> None:
             for kernel in ("torch", *experts_kernels.PACKED_KERNELS):
                 layers = [experts_kernels.layer_experts(flat, list(range(REMOTE)), ws, kernel) for ws in raw]
                 got[kernel] = measure(kernel, layers, 3 * H * INTER * 2)
+                save()
                 del layers
             del flat, raw
         else:
             layers = [experts_kernels.quantized_layer(list(range(REMOTE)), quantized.prepare(fmt, **quantized_tensors(fmt, seed)))
                       for seed in range(LAYERS)]
             got["fused_experts_cpu"] = measure("fused_experts_cpu", layers, layers[0].quant.expert_bytes)
+            save()
             del layers
-        got |= kt_candidates(fmt, threads)
-        Path(path).write_text(json.dumps(out, indent=1))  # each format as it is measured: a cut lease keeps them
+        kt_candidates(fmt, threads, got, save)
+        save()
     print(json.dumps(out))
 
 
