@@ -136,7 +136,7 @@ class KtLayerExperts:
         return self.layer(x, ids, weights)
 
 
-def kt_candidates(fmt: str, threads: int, got: dict, save=lambda: None) -> None:
+def kt_candidates(fmt: str, threads: int, got: dict, save) -> None:
     """kt-kernel's methods for `fmt` on the same shapes, if kt_kernel imports: from bf16 experts it quantizes itself,
     or (GPTQ_INT4, RAWINT4) from the very tensors fused_experts_cpu gets, then its result at 4 tokens beside that
     kernel's (a method this build runs wrongly on this CPU shows there, not as a fast figure). Its workers spin on
@@ -204,7 +204,6 @@ def main(path: str) -> None:
             save()
             del layers
         kt_candidates(fmt, threads, got, save)
-        save()
     print(json.dumps(out))
 
 
