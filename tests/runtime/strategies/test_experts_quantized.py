@@ -676,7 +676,7 @@ def test_w4a16_moe_with_remote_experts_on_kt_kernel_is_no_farther_from_its_weigh
 def test_gpt_oss_mxfp4_with_remote_experts_gives_single_process_tokens(tiny_gpt_oss, gpt_oss_reference_ids, tmp_path):
     """gpt-oss as it ships, MXFP4 experts with biases on a clamped SwiGLU, every expert's tensor loaded at once:
     half of each layer's experts computed in the expert server, the single-process tokens."""
-    from conftest import GPT_OSS_ENV, GPT_OSS_TOKENS
+    from pipelines import GPT_OSS_ENV, GPT_OSS_TOKENS
     assert (GPT_OSS_TOKENS, GPT_OSS_ENV) == (TOKENS, CPU_ENV)  # the shared reference is this test's
     got, out = serve_with_remote_experts(tiny_gpt_oss, tmp_path)
     assert_served(out, "fused_experts_cpu (mxfp4)")
@@ -743,4 +743,16 @@ def test_plan_prints_the_pods_experts_and_the_memory_that_keeps_their_stacks(tmp
     assert 96 < least < 124, pod  # the stacks fit beside them on the 128 GiB host
     kept = plan_lines(f"{least}Gi")[2]
     assert f"(cpu, 15 cpus): {in_pod} routed experts" in kept and "+ the stored stacks" in kept
-    assert "do not fit" in plan_lines(f"{least - 1}Gi")[2]
+    assert "does not keep the stored stacks" in plan_lines(f"{least - 1}Gi")[2]
+    # the gpu stage's record (its log's `vllm-hybrid resolved` line) says the same at start
+    from vllm_hybrid.identity import Identity
+    from vllm_hybrid.launcher import resolve_stage
+    from vllm_hybrid.plan import load_plan
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import resolve_split
+    for memory, where in ((least, "the gpu stage, from the stored stacks"), (least - 1, f"at least {least}Gi keeps")):
+        plan_lines(f"{memory}Gi")
+        plan = load_plan(str(tmp_path / "plan.json"))
+        split, lay, _ = resolve_split(plan, model_shape(json.loads((tmp_path / "config.json").read_text())))
+        rec = resolve_stage(plan, split, Identity(0, 0, "10.0.0.1", None), {"HYBRID_SHM_DIR": str(tmp_path)}, lay)
+        assert where in dict(rec.extras.summary)["large_steps"], rec.extras.summary

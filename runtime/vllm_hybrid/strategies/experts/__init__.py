@@ -173,6 +173,21 @@ def format_refusal(shape: ModelShape) -> str | None:
             f"unquantized; this checkpoint's are {fmt.name} ({fmt.method})")
 
 
+def large_steps(plan: Plan, lay: Layout, shape: ModelShape) -> str:
+    """Where steps above the pod's compute the remote experts (the stage's log, `vllm-hybrid plan`): where the pod's
+    memory does not keep a kept format's stacks, the memory that would."""
+    if pod_keeps_stacks(plan, lay, shape):
+        return "the gpu stage, from the stored stacks the cpu pod keeps"
+    if not quantized_experts(shape):
+        return "the gpu stage, copying the cpu pod's experts in a layer ahead"
+    if not kept_format(shape):
+        return f"the cpu pod, {DEFAULT_MAX_ROWS} tokens at a time"
+    need = lay.offload_bytes[0] // shape.expert_bytes * pod_expert_bytes(shape) + lay.offload_bytes[0]
+    return (f"the cpu pod, {DEFAULT_MAX_ROWS} tokens at a time: its memory does not keep the stored stacks "
+            f"({lay.offload_bytes[0] / GiB:.2f} GiB) beside its experts; memory of at least "
+            f"{math.ceil((need + CPU_RUNTIME_RESERVE) / GiB)}Gi keeps them for the gpu stage")
+
+
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:
     """How many experts (over all layers) live on the cpu stage: what the gpu stage's budget leaves after every
     layer's attention, norms and router, both ends and KV for the expected workload (at least one sequence of
@@ -346,26 +361,16 @@ class Experts(Strategy):
         remote, held, budget = lay.offload_bytes[0], n * pod_expert_bytes(shape), stage_budget(pod, None)
         fit = (f"in its budget of {sp.budget_bytes / GiB:.2f} GiB" if sp.fit_checked else
                "(fit NOT checked: the GPU's memory is unknown; give the stage's memory or --gpu-memory)")
-        rows = [split.model_line(),
-                f"stage {gpu} {sp.stage.name} (gpu, tp=1): every layer ({layers}): attention, norms, routers, both ends, "
-                f"the KV cache and {total - n} of {total} routed experts ({(total - n) / layers:.1f} a layer) {fit}"]
-        line = (f"stage {cpu} {pod.name} (cpu, {pod.cpus} cpus): {n} routed experts ({n / layers:.1f} a layer: the least "
-                f"routed once the gpu stage has counted, else evenly), no KV cache; {remote / GiB:.2f} GiB as stored, "
-                f"{held / GiB:.2f} GiB as its kernel holds them")
-        large = f"steps above {DEFAULT_MAX_ROWS} tokens (prompt chunks)"
-        of_budget = f"of its budget of {budget / GiB:.2f} GiB (memory less {CPU_RUNTIME_RESERVE // GiB} GiB)"
-        if pod_keeps_stacks(plan, lay, shape):
-            line += (f", + the stored stacks ({remote / GiB:.2f} GiB), which the gpu stage computes {large} from = "
-                     f"{(held + remote) / GiB:.2f} GiB {of_budget}")
-        elif kept_format(shape):
-            line += (f", {of_budget}; the stored stacks do not fit beside them ({remote / GiB:.2f} GiB more), so {large} "
-                     f"run in the pod, {DEFAULT_MAX_ROWS} tokens at a time: memory of at least "
-                     f"{math.ceil((held + remote + CPU_RUNTIME_RESERVE) / GiB)}Gi keeps them for the gpu stage")
-        elif quantized_experts(shape):
-            line += f", {of_budget}; {large} run in the pod, {DEFAULT_MAX_ROWS} tokens at a time"
-        else:
-            line += f", {of_budget}; the gpu stage copies them from there a layer ahead for {large}"
-        return "\n".join([*rows, line])
+        on_gpu = (f"stage {gpu} {sp.stage.name} (gpu, tp=1): every layer ({layers}): attention, norms, routers, both "
+                  f"ends, the KV cache and {total - n} of {total} routed experts ({(total - n) / layers:.1f} a layer) {fit}")
+        kept = f" + the stored stacks ({remote / GiB:.2f} GiB) = {(held + remote) / GiB:.2f} GiB"
+        in_pod = (f"stage {cpu} {pod.name} (cpu, {pod.cpus} cpus): {n} routed experts ({n / layers:.1f} a layer: the "
+                  f"least routed once the gpu stage has counted, else evenly), no KV cache; {remote / GiB:.2f} GiB as "
+                  f"stored, {held / GiB:.2f} GiB as its kernel holds them"
+                  f"{kept if pod_keeps_stacks(plan, lay, shape) else ''}, of its budget of {budget / GiB:.2f} GiB "
+                  f"(memory less {CPU_RUNTIME_RESERVE // GiB} GiB); steps above "
+                  f"{pod_rows(plan, split, lay, hardware_of(plan))} tokens (prompt chunks): {large_steps(plan, lay, shape)}")
+        return "\n".join([split.model_line(), on_gpu, in_pod])
 
     def stage(self, plan, split, lay, ident, env, hw=None) -> StageExtras:
         cpu, shape, hw = next(c for c, g in lay.servers if g == ident.stage), split.shape, hw or hardware_of(plan)
@@ -393,7 +398,7 @@ class Experts(Strategy):
             env_defaults=((COUNTS_ENV, counts_file),
                           *(((UVA_SHARE_ENV, shares),) if shares else ())),
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed), ("pod_rows", rows),
-                     *((("large_steps", "gpu (the cpu pod keeps the stacks)"),) if keep else ()),
+                     ("large_steps", large_steps(plan, lay, shape)),
                      *((("in_place_shares", shares),) if shares else ())))
 
     def server(self, plan, lay, ident, env) -> Server | None:
