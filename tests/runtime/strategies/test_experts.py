@@ -28,7 +28,7 @@ from cpu_servers import (
     start_server,
 )
 from pipelines import MAX_TOKENS, PROMPTS, reference
-from strategy_plans import CPU, GPU, MIXTRAL_CPU, MIXTRAL_GPU, bench_run, mixtral_plan, planned
+from strategy_plans import CPU, GPU, MIXTRAL_CPU, MIXTRAL_GPU, mixtral_plan, planned
 from vllm_hybrid import node
 from vllm_hybrid.cpupod.packed import unpack
 from vllm_hybrid.identity import Identity
@@ -563,58 +563,6 @@ def test_auto_picks_experts_where_the_measured_runs_found_it_fastest(concurrency
                                expected_prompt_tokens=32, expected_output_tokens=16, hardware={"dram_gbs": 111.5})
     lay, est = resolve(plan, split_layers(plan, shape))
     assert lay.strategy == "experts" and est["experts"] > max(v for k, v in est.items() if k != "experts")
-
-
-# issue 48's 235B leases: the files of one box each (experts ran on the node's figures, the others on the same figures
-# through HYBRID_BENCH_NODE_FIGURES), and what each strategy decoded there
-AUTO_LEASES = {
-    "h200-2026-12-03c": ("gpu_bench-qwen3-235b-w4a16-experts-h200-2026-12-03c.json",
-                         "gpu_bench-qwen3-235b-w4a16-pipeline-h200-2026-12-03c.json",
-                         "gpu_bench-qwen3-235b-w4a16-offload-partial-h200-2026-12-03c.json"),
-    "h200-2026-12-04": ("gpu_bench-qwen3-235b-w4a16-experts-h200-2026-12-04.json",
-                        "gpu_bench-qwen3-235b-w4a16-pipeline-h200-2026-12-04.json"),
-}
-
-
-def measured_decode(files: tuple[str, ...]) -> dict[int, dict[str, float]]:
-    """Per concurrency, each strategy's decode tok/s in a lease's files."""
-    out: dict[int, dict[str, float]] = {}
-    for name in files:
-        run = bench_run(name)
-        runs = [run] if "waves" in run else [v for v in run.values() if isinstance(v, dict) and "waves" in v]
-        for r in runs:
-            strategy = r.get("strategy") or r["config"].removeprefix("p-")
-            for wave in r["waves"]:
-                out.setdefault(wave["concurrency"], {})[strategy] = wave["decode_tok_per_s"]
-    return out
-
-
-@pytest.mark.parametrize("lease", sorted(AUTO_LEASES))
-def test_auto_on_a_leases_measured_figures_picks_what_decoded_fastest_there(lease):
-    """Issue 48, item 4: the 235B W4A16 planned as bench/gpu_bench.py plans it on that box (an 80 GiB share of the
-    GPU, the host less 16 GiB for the cpu stage, 15 cpus, 32 + 16 tokens), resolved by auto on the figures the lease's
-    stages measured at start (its node_figures): at each concurrency the pick decoded within 0.95x of the fastest
-    strategy measured in the lease."""
-    from vllm_hybrid.plan import plan_from_dict
-    from vllm_hybrid.planner import model_shape
-    from vllm_hybrid.strategies import resolve_split
-    from vllm_hybrid.tinymodel import QWEN3_235B_A22B, W4A16_GROUP128
-
-    files = AUTO_LEASES[lease]
-    planned_ = bench_run(files[0])["planned"]
-    share = round(0.92 * planned_["gpu_budget_mib"] / planned_["gpu_mib"], 4)
-    stages = ({"name": "gpu", "device": "gpu", "gpu_memory_utilization": share, "memory": f"{planned_['gpu_mib']}Mi"},
-              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{planned_['host_mib'] - (16 << 10)}Mi"})
-    measured = measured_decode(files)
-    assert set(measured) == {1, 4, 16, 64} and all({"experts", "pipeline"} <= set(m) for m in measured.values())
-    shape = model_shape({**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128})
-    for concurrency, decoded in measured.items():
-        plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "strategy": "auto", "stages": list(stages),
-                               "max_model_len": 8192, "max_num_seqs": 64, "block_size": 128,
-                               "max_num_batched_tokens": 4096, "expected_concurrency": concurrency,
-                               "expected_prompt_tokens": 32, "expected_output_tokens": 16})
-        _, lay, _ = resolve_split(plan, shape, hw=node.hardware(plan, planned_["node_figures"]))
-        assert decoded.get(lay.strategy, 0) >= 0.95 * max(decoded.values()), (concurrency, lay.strategy, decoded)
 
 
 def test_auto_follows_the_moe_kernel_measured_on_the_node():

@@ -1,0 +1,71 @@
+"""`auto` replayed on a lease's results, off the device (issue 48, item 4): the plan bench/gpu_bench.py made on that
+box (its GPU's share, the host less 16 GiB for the cpu stage), resolved on the figures the lease's stages measured at
+start (`planned.node_figures`), at each concurrency the files measured; beside it what each strategy decoded there.
+
+    PYTHONPATH=runtime python bench/auto_replay.py RESULT.json [RESULT.json ...] [--prompt-tokens 32 --output-tokens 16]
+
+The first file gives the box and its figures; the others add strategies measured on the same figures
+(HYBRID_BENCH_NODE_FIGURES), a later file's run of a strategy in place of an earlier one's. A pick within 0.95x of the
+fastest measured is item 4's goal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import MODELS, SHAPE  # noqa: E402
+from vllm_hybrid import node  # noqa: E402
+from vllm_hybrid.plan import plan_from_dict  # noqa: E402
+from vllm_hybrid.planner import model_shape  # noqa: E402
+from vllm_hybrid.strategies import resolve_split  # noqa: E402
+
+CPUS = 15  # the bench's cpu stage: every core of the 16 but the GPU stage's
+
+
+def decoded(results: list[dict]) -> dict[int, dict[str, float]]:
+    """Per concurrency, each strategy's decode tok/s in the files (a file of one run, or of several)."""
+    out: dict[int, dict[str, float]] = {}
+    for r in results:
+        for run in [r] if "waves" in r else [v for v in r.values() if isinstance(v, dict) and "waves" in v]:
+            strategy = run.get("strategy") or run["config"].removeprefix("p-")
+            for wave in run["waves"]:
+                out.setdefault(wave["concurrency"], {})[strategy] = wave["decode_tok_per_s"]
+    return out
+
+
+def replay(first: dict, concurrency: int, prompt_tokens: int, output_tokens: int) -> tuple[str, dict[str, float]]:
+    """auto's pick and its predictions, on the lease's plan and node figures."""
+    box = first["planned"]
+    share = round(0.92 * box["gpu_budget_mib"] / box["gpu_mib"], 4)  # gpu_bench.gpu_share
+    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": share, "memory": f"{box['gpu_mib']}Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": CPUS, "memory": f"{box['host_mib'] - (16 << 10)}Mi"}]
+    plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": "auto", **SHAPE, "stages": stages,
+                           "expected_concurrency": concurrency, "expected_prompt_tokens": prompt_tokens,
+                           "expected_output_tokens": output_tokens})
+    _, lay, estimates = resolve_split(plan, model_shape(MODELS[box["model"]]),
+                                      hw=node.hardware(plan, box["node_figures"]))
+    return lay.strategy, estimates
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=16)
+    args = p.parse_args(argv)
+    results = [json.loads(Path(f).read_text()) for f in args.results]
+    for c, measured in sorted(decoded(results).items()):
+        pick, estimates = replay(results[0], c, args.prompt_tokens, args.output_tokens)
+        best = max(measured, key=measured.get)
+        share = f"{measured[pick] / measured[best]:.2f}x" if pick in measured else "not measured"
+        print(f"concurrency {c}: auto picks {pick} ({share} of the fastest measured, {best} {measured[best]}); "
+              f"predicted {', '.join(f'{k} {v:.1f}' for k, v in estimates.items())}; "
+              f"measured {', '.join(f'{k} {v}' for k, v in measured.items())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
