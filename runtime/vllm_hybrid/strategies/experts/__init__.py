@@ -131,8 +131,14 @@ def pod_keeps_stacks(plan: Plan, lay: Layout, shape: ModelShape) -> bool:
     CPU pod's memory holds them beside its prepared copy."""
     if not kept_format(shape):
         return False
-    budget, remote = pod_budget(plan), lay.offload_bytes[0]
-    return budget is None or remote // expert_bytes(shape) * pod_expert_bytes(shape) + remote <= budget
+    budget = pod_budget(plan)
+    return budget is None or with_stacks_bytes(lay, shape) <= budget
+
+
+def with_stacks_bytes(lay: Layout, shape: ModelShape) -> int:
+    """The CPU pod's experts as its kernel holds them, and the stored stacks beside them."""
+    remote = lay.offload_bytes[0]
+    return remote // expert_bytes(shape) * pod_expert_bytes(shape) + remote
 
 
 def moe_backend_flags(plan: Plan, shape: ModelShape) -> tuple[str, ...]:
@@ -182,10 +188,9 @@ def large_steps(plan: Plan, lay: Layout, shape: ModelShape) -> str:
         return "the gpu stage, copying the cpu pod's experts in a layer ahead"
     if not kept_format(shape):
         return f"the cpu pod, {DEFAULT_MAX_ROWS} tokens at a time"
-    need = lay.offload_bytes[0] // shape.expert_bytes * pod_expert_bytes(shape) + lay.offload_bytes[0]
     return (f"the cpu pod, {DEFAULT_MAX_ROWS} tokens at a time: its memory does not keep the stored stacks "
             f"({lay.offload_bytes[0] / GiB:.2f} GiB) beside its experts; memory of at least "
-            f"{math.ceil((need + CPU_RUNTIME_RESERVE) / GiB)}Gi keeps them for the gpu stage")
+            f"{math.ceil((with_stacks_bytes(lay, shape) + CPU_RUNTIME_RESERVE) / GiB)}Gi keeps them for the gpu stage")
 
 
 def remote_count(plan: Plan, split: Split, gpu: int) -> int:
@@ -363,7 +368,7 @@ class Experts(Strategy):
                "(fit NOT checked: the GPU's memory is unknown; give the stage's memory or --gpu-memory)")
         on_gpu = (f"stage {gpu} {sp.stage.name} (gpu, tp=1): every layer ({layers}): attention, norms, routers, both "
                   f"ends, the KV cache and {total - n} of {total} routed experts ({(total - n) / layers:.1f} a layer) {fit}")
-        kept = f" + the stored stacks ({remote / GiB:.2f} GiB) = {(held + remote) / GiB:.2f} GiB"
+        kept = f" + the stored stacks ({remote / GiB:.2f} GiB) = {with_stacks_bytes(lay, shape) / GiB:.2f} GiB"
         in_pod = (f"stage {cpu} {pod.name} (cpu, {pod.cpus} cpus): {n} routed experts ({n / layers:.1f} a layer: the "
                   f"least routed once the gpu stage has counted, else evenly), no KV cache; {remote / GiB:.2f} GiB as "
                   f"stored, {held / GiB:.2f} GiB as its kernel holds them"
