@@ -1,6 +1,7 @@
 """`auto` replayed on a lease's results, off the device (issue 48, item 4): the plan bench/gpu_bench.py made on that
-box (its GPU's share, the host less 16 GiB for the cpu stage), resolved on the figures the lease's stages measured at
-start (`planned.node_figures`), at each concurrency the files measured; beside it what each strategy decoded there.
+box (gpu_bench.stages_for its memories and the cpu stage's tuned cores), resolved on the figures the lease's stages
+measured at start (`planned.node_figures`), at each concurrency the files measured; beside it what each strategy
+decoded there.
 
     PYTHONPATH=runtime python bench/auto_replay.py RESULT.json [RESULT.json ...] [--prompt-tokens 32 --output-tokens 16]
 
@@ -16,13 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import MODELS, SHAPE  # noqa: E402
-from vllm_hybrid import node  # noqa: E402
-from vllm_hybrid.plan import plan_from_dict  # noqa: E402
-from vllm_hybrid.planner import model_shape  # noqa: E402
-from vllm_hybrid.strategies import resolve_split  # noqa: E402
-
-CPUS = 15  # the bench's cpu stage: every core of the 16 but the GPU stage's
+from gpu_bench import resolve_planned, stages_for  # noqa: E402
+from vllm_hybrid.cpubind import parse_cpulist  # noqa: E402
 
 
 def decoded(results: list[dict]) -> dict[int, dict[str, float]]:
@@ -37,16 +33,13 @@ def decoded(results: list[dict]) -> dict[int, dict[str, float]]:
 
 
 def replay(first: dict, concurrency: int, prompt_tokens: int, output_tokens: int) -> tuple[str, dict[str, float]]:
-    """auto's pick and its predictions, on the lease's plan and node figures."""
+    """auto's pick and its predictions, on the plan gpu_bench made on the lease's box and its node figures."""
     box = first["planned"]
-    share = round(0.92 * box["gpu_budget_mib"] / box["gpu_mib"], 4)  # gpu_bench.gpu_share
-    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": share, "memory": f"{box['gpu_mib']}Mi"},
-              {"name": "cpu", "device": "cpu", "cpus": CPUS, "memory": f"{box['host_mib'] - (16 << 10)}Mi"}]
-    plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": "auto", **SHAPE, "stages": stages,
-                           "expected_concurrency": concurrency, "expected_prompt_tokens": prompt_tokens,
-                           "expected_output_tokens": output_tokens})
-    _, lay, estimates = resolve_split(plan, model_shape(MODELS[box["model"]]),
-                                      hw=node.hardware(plan, box["node_figures"]))
+    cpus = next(r["cpu_tuning"]["env"]["HYBRID_CPUS"] for r in first.values() if isinstance(r, dict) and "waves" in r)
+    stages = stages_for("auto", box["gpu_mib"], box["host_mib"], box["gpu_budget_mib"], len(parse_cpulist(cpus)))
+    _, lay, estimates = resolve_planned(box["model"], "auto", stages, box["node_figures"],
+                                        expected_concurrency=concurrency, expected_prompt_tokens=prompt_tokens,
+                                        expected_output_tokens=output_tokens)
     return lay.strategy, estimates
 
 

@@ -406,35 +406,49 @@ def gpu_budget_mib() -> int:
     return min(gpu_mib, GPU_BUDGET_MIB or gpu_mib)
 
 
+def share_of(utilization: float, budget_mib: int, gpu_mib: int) -> float:
+    """The gpu_memory_utilization that keeps vLLM within budget_mib of a GPU of gpu_mib."""
+    return round(utilization * budget_mib / gpu_mib, 4)
+
+
 def gpu_share(utilization: float) -> float:
     """The gpu_memory_utilization that keeps vLLM within gpu_budget_mib() of this GPU (unset: as given)."""
-    return round(utilization * gpu_budget_mib() / box_memory()[0], 4)
+    return share_of(utilization, gpu_budget_mib(), box_memory()[0])
 
 
-def planned_stages(strategy: str) -> list[dict]:
-    """A CPU and a GPU stage without layer counts: the planner splits by this box's two memories. The CPU
+def stages_for(strategy: str, gpu_mib: int, host_mib: int, budget_mib: int, cpus: int) -> list[dict]:
+    """A CPU and a GPU stage without layer counts, for a box of these memories: the planner splits by them. The CPU
     stage gets the host RAM less 16 GiB for the GPU stage's processes and the OS."""
-    host_mib = box_memory()[1]
-    cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
     stages = [{"name": "cpu", "device": "cpu", "cpus": cpus, "memory": f"{host_mib - (16 << 10)}Mi"},
               # a gpu stage's memory is its GPU's (the planner's budget: that x gpu_memory_utilization, as vLLM's); the
               # budget is in the share (naming the budget here as well left an 80 GiB budget 40 GiB)
-              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": gpu_share(0.92),
-               "memory": f"{box_memory()[0]}Mi"}]
+              {"name": "gpu", "device": "gpu", "gpu_memory_utilization": share_of(0.92, budget_mib, gpu_mib),
+               "memory": f"{gpu_mib}Mi"}]
     # offload, coprocessor and experts compute every layer on the GPU stage, which serves the API: stage 0
     return stages[::-1] if strategy in ("offload", "coprocessor", "experts") else stages
 
 
-def planned_split(strategy: str, figures: dict | None = None, **expected):
-    """(split, layout, estimates) the planner resolves for planned_stages(strategy), on the node's figures where
+def planned_stages(strategy: str) -> list[dict]:
+    """stages_for this box (its memories, the GPU budget asked for, the CPU stage's tuned cores)."""
+    cpus = len(parse_cpulist(cpu_tuning()["env"]["HYBRID_CPUS"]))
+    return stages_for(strategy, *box_memory(), gpu_budget_mib(), cpus)
+
+
+def resolve_planned(model: str, strategy: str, stages: list[dict], figures: dict | None = None, **expected):
+    """(split, layout, estimates) the planner resolves for `stages` of MODELS[model], on the node's figures where
     given (node_figures: what auto's stages measure at start), else the cost model's defaults."""
     from vllm_hybrid import node
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategies import resolve_split
     plan = plan_from_dict({"model": "m", "dtype": "bfloat16", "strategy": strategy, **SHAPE, **expected,
-                           "stages": planned_stages(strategy)})
-    return resolve_split(plan, model_shape(MODELS[MODEL]), hw=node.hardware(plan, figures or {}))
+                           "stages": stages})
+    return resolve_split(plan, model_shape(MODELS[model]), hw=node.hardware(plan, figures or {}))
+
+
+def planned_split(strategy: str, figures: dict | None = None, **expected):
+    """resolve_planned for this box's planned_stages(strategy) of this run's model."""
+    return resolve_planned(MODEL, strategy, planned_stages(strategy), figures, **expected)
 
 
 def node_figures() -> dict:
