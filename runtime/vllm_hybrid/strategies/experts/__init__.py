@@ -363,7 +363,7 @@ class Experts(Strategy):
         shape, (gpu, cpu) = split.shape, (lay.stages[0], lay.servers[0][0])
         n, total, layers = lay.offload_bytes[0] // shape.expert_bytes, shape.experts * shape.num_layers, shape.num_layers
         sp, pod = split.stages[gpu], plan.stages[cpu]
-        remote, held, budget = lay.offload_bytes[0], n * pod_expert_bytes(shape), stage_budget(pod, None)
+        remote, held, budget = lay.offload_bytes[0], n * pod_expert_bytes(shape), pod_budget(plan)
         fit = (f"in its budget of {sp.budget_bytes / GiB:.2f} GiB" if sp.fit_checked else
                "(fit NOT checked: the GPU's memory is unknown; give the stage's memory or --gpu-memory)")
         on_gpu = (f"stage {gpu} {sp.stage.name} (gpu, tp=1): every layer ({layers}): attention, norms, routers, both "
