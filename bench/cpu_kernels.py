@@ -57,18 +57,11 @@ def one_per_core(cpus: list[int]) -> list[int]:
 
 
 def dram_read_gbs(torch) -> float:
-    """DRAM read GB/s on torch's threads: the faster of a float32 sum over 2 GiB (earlier runs' figure) and the
-    coprocessor's best of three max passes (cpupod_server.measure_dram_read). A bound holds only if nothing beats it: the
-    sum alone read 77.2 GB/s on an H100 box where the coprocessor streamed its 6.98 GB at 91."""
-    from vllm_hybrid.cpupod.server import measure_dram_read
-    x = torch.ones(1 << 29, dtype=torch.float32)  # 2 GiB
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return max(x.numel() * 4 / best / 1e9, measure_dram_read(x.view(torch.uint8), x.numel() * 4))
+    """DRAM read GB/s on torch's threads over 2 GiB, as the node measures it at start (cpupod_server.measure_dram: the
+    faster of a float32 sum and a uint8 max). A bound holds only if nothing beats it: the sum alone read 77.2 GB/s on an
+    H100 box where the coprocessor streamed its 6.98 GB at 91."""
+    from vllm_hybrid.cpupod.server import measure_dram
+    return measure_dram(2 << 30)
 
 
 def kernels(torch):

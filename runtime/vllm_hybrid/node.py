@@ -83,12 +83,12 @@ def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str
     for `experts` (rates.SPEC_ENV), on at most `nbytes` of them."""
     import torch
 
-    from .cpupod.server import measure_dram_read
+    from .cpupod.server import measure_dram
     from .strategies.coprocessor.server import choose_int8_kernel, choose_kernel, kernel_choice, shape_key
     n, k = GEMV_SHAPE
     elem = 1 if products == "int8" else 2
     count = max(2, nbytes // (n * k * elem))  # distinct weights beyond the caches: each read comes from DRAM
-    out = {"dram_gbs": measure_dram_read(torch.ones(nbytes, dtype=torch.uint8), nbytes)}  # its pages touched
+    out = {"dram_gbs": measure_dram(nbytes)}  # as the bench's bound reads it
     if products == "int8":  # as the coprocessor's server would, in rooms of its packed layout
         from .cpupod.packed import INT8_EXTRA
         from .strategies.coprocessor.int8 import Int8Weight

@@ -82,6 +82,21 @@ def measure_dram_read(flat: torch.Tensor, nbytes: int = 2 << 30) -> float:
     return float(f"{view.numel() / best / 1e9:.3g}")
 
 
+def measure_dram(nbytes: int = 2 << 30) -> float:
+    """GB/s this process's threads read DRAM: the faster of a float32 sum and measure_dram_read's uint8 max over
+    `nbytes` of ones (touched, so every page is in DRAM). The node's start measure and the bench's bound both read
+    it: the max alone read 65-81 GB/s at start on boxes where the bench, taking the faster pattern, read 89-107."""
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    x.sum()
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    summed = float(f"{x.numel() * 4 / best / 1e9:.3g}")
+    return max(summed, measure_dram_read(x.view(torch.uint8), x.numel() * 4))
+
+
 NAP_AFTER_S = 1.0  # idle this long (no step in flight: a decode step's products come within ms of each other)
 NAP_S = 0.0002  # then poll every 0.2 ms instead of spinning: an idle pipeline's cpu pod leaves its core alone
 
