@@ -450,19 +450,21 @@ class Client(RegionClient):
         """The whole layer: the CPU pod computes the remote experts while the main stage computes its own (`local`,
         default the layer's: f(x, topk_weights, topk_ids))."""
         rows, local = x.shape[0], local or self.local[layer]
-        self.counts.add(layer, topk_ids)
         if self.side is None:
             raise RuntimeError("strategy experts: the manifest was not published (a model loader without "
                                "BaseModelLoader.load_model?)")
         if not 0 < rows <= self.max_rows:
+            self.counts.add(layer, topk_ids)
             if self.layers[layer].fmt is not None and not self.layers[layer].nearby:
                 return self.in_parts(layer, x, topk_weights, topk_ids, local)
             return local(x, topk_weights, topk_ids) + self.nearby(layer, x, topk_ids, topk_weights)
         # the step's share by its tokens (a CUDA graph is captured per step size: one branch each)
         in_place = next((ip for most, ip in self.layers[layer].in_place if rows <= most), None)
         if in_place is not None and len(in_place.ids) == len(self.layers[layer].ids):  # nothing left for the pod
+            self.counts.add(layer, topk_ids)
             return local(x, topk_weights, topk_ids) + in_place.compute(x, topk_ids, topk_weights)
         self.side.submit(layer, x, topk_ids if in_place is None else in_place.for_pod(topk_ids), topk_weights)
+        self.counts.add(layer, topk_ids)  # after the hand-over: the pod starts its step a few kernels sooner
         out = local(x, topk_weights, topk_ids)
         if in_place is not None:  # while the pod computes the rest
             out = out + in_place.compute(x, topk_ids, topk_weights)
