@@ -125,6 +125,20 @@ def test_the_moe_call_fit_recovers_a_line_and_drops_a_negative_term():
     assert 0 < slow.expert_gbs < 0.05 and slow.seconds(4, 16, 5_000) > 0
 
 
+def test_the_one_token_calls_read_every_held_expert_once_a_cycle():
+    """The timed one-token calls take the held experts in shuffled turns, so a cycle reads each of them (from DRAM, as
+    serving does), not a few in turn from the cache; batch calls route each token to top_k distinct experts."""
+    import torch
+    timed = rates.calls(110, 8, 16, torch.bfloat16)
+    assert [(e, p) for e, p, _ in timed[:2]] == [(1.0, 1), (8.0, 8)]
+    for (_, _, steps), want in zip(timed[:2], (110, 104)):  # 110 / 8: 13 calls, the 6 left over out
+        ids = torch.cat([step_ids.flatten() for _, step_ids, _ in steps]).tolist()
+        assert len(ids) == len(set(ids)) == want
+    for (_, pairs, steps), tokens in zip(timed[2:], rates.BATCH_TOKENS):
+        for _, step_ids, _ in steps:
+            assert step_ids.shape == (tokens, 8) and all(len(set(row.tolist())) == 8 for row in step_ids)
+
+
 def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
     plan = plan_from_dict(RAW)
     figures = {"dram_gbs": 80.0, "cpu_gemv_gbs": 60.0, "cpu_tflops_per_core": 0.286, "copy_gbs": 50.0}
