@@ -129,6 +129,9 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
         measured["dram_gbs"] = dram
     if figures.get("moe_expert_gbs"):  # the MoE kernel's call, measured on the model's experts (rates.CallCost)
         measured |= {k: figures[k] for k in ("moe_call_s", "moe_expert_gbs", "moe_pair_s")}
+        if dram:  # serving reads each step's experts from DRAM: a faster fit read some from cache (2026-12-03's H200
+            # box: 161.6 GB/s of experts against 91.9 of DRAM; its pod served at about half that)
+            measured["moe_expert_gbs"] = min(figures["moe_expert_gbs"], dram)
     if figures.get("moe_unserved"):  # no kernel there for the model's experts (rates.measure)
         measured["moe_unserved"] = 1.0
     if copy := figures.get("copy_gbs"):

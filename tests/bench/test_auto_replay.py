@@ -1,5 +1,6 @@
 """Issue 48, item 4, held against later changes to the cost model: `auto`, replayed by bench/auto_replay.py on the
-figures each 235B lease's stages measured at start, picks what decoded within 0.95x of the fastest in that lease."""
+figures each lease's stages measured at start, picks what ran within 0.95x of the fastest in that lease, by decode
+tok/s and by the wave's (prefill included, as auto predicts)."""
 import json
 import sys
 from pathlib import Path
@@ -17,23 +18,30 @@ LEASES = {
                          "gpu_bench-qwen3-235b-w4a16-offload-partial-h200-2026-12-03c.json"),
     "h200-2026-12-04": ("gpu_bench-qwen3-235b-w4a16-experts-h200-2026-12-04.json",
                         "gpu_bench-qwen3-235b-w4a16-pipeline-h200-2026-12-04.json"),
+    "h100-2026-12-06b": ("gpu_bench-qwen3-235b-w4a16-experts-h100-2026-12-06b.json",
+                         "gpu_bench-qwen3-235b-w4a16-pipeline-h100-2026-12-06b.json"),
+    "mixtral-24gib-h100-2026-12-06b": ("gpu_bench-mixtral-w4a16-24gib-experts-h100-2026-12-06b.json",
+                                       "gpu_bench-mixtral-w4a16-24gib-pipeline-h100-2026-12-06b.json"),
 }
 
 
 @pytest.mark.parametrize("lease", sorted(LEASES))
 def test_auto_on_a_leases_measured_figures_picks_what_decoded_fastest_there(lease):
     results = [json.loads((RESULTS / name).read_text()) for name in LEASES[lease]]
-    measured = auto_replay.decoded(results)
+    measured, waves = auto_replay.decoded(results), auto_replay.decoded(results, "tok_per_s")
     assert set(measured) == {1, 4, 16, 64} and all({"experts", "pipeline"} <= set(m) for m in measured.values())
     for concurrency, decoded in measured.items():
         pick, predicted = auto_replay.replay(results[0], concurrency, 32, 16)
         assert set(predicted) == {"pipeline", "offload", "experts"}  # balanced and coprocessor refuse W4A16
-        assert decoded.get(pick, 0) >= 0.95 * max(decoded.values()), (concurrency, pick, decoded)
+        for by in (decoded, waves[concurrency]):
+            assert by.get(pick, 0) >= 0.95 * max(by.values()), (concurrency, pick, by)
 
 
 def test_the_replay_prints_each_concurrencys_pick_beside_what_was_measured(capsys):
     assert auto_replay.main([str(RESULTS / name) for name in LEASES["h200-2026-12-04"]]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == [f"concurrency {c}" for c in (1, 4, 16, 64)]
-    assert lines[0].startswith("concurrency 1: auto picks experts (1.00x of the fastest measured, experts 15.44)")
-    assert "measured experts 15.44, pipeline 12.19" in lines[0]
+    assert [line.split(":")[0] for line in lines[::3]] == [f"concurrency {c}" for c in (1, 4, 16, 64)]
+    assert lines[0].startswith("concurrency 1: auto picks experts; predicted (the wave) pipeline ")
+    assert lines[1] == "  by wave tok/s: 1.00x of the fastest measured (experts 10.75); measured experts 10.75, pipeline 8.26"
+    assert lines[2] == ("  by decode tok/s: 1.00x of the fastest measured (experts 15.44); measured experts 15.44, "
+                        "pipeline 12.19")

@@ -154,6 +154,9 @@ def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
     moe = {"moe_call_s": 2e-4, "moe_expert_gbs": 40.0, "moe_pair_s": 3e-6, "moe_fit_error": 0.1}
     hw = node.hardware(plan, {**figures, **moe})
     assert (hw.moe_call_s, hw.moe_expert_gbs, hw.moe_pair_s) == (2e-4, 40.0, 3e-6)
+    # experts fitted faster than DRAM reads were partly in cache; a step reads its experts from DRAM
+    assert node.hardware(plan, {**figures, **moe, "moe_expert_gbs": 161.6}).moe_expert_gbs == 80.0
+    assert node.hardware(plan, {**moe, "moe_expert_gbs": 161.6}).moe_expert_gbs == 161.6  # no DRAM figure to hold it to
 
 
 def test_auto_follows_the_measured_node():
