@@ -318,10 +318,11 @@ def expected_later(a: Sequence[float], pa: Sequence[float], b: Sequence[float], 
 
 
 def remote_layers(split: Split, lay: Layout) -> list[tuple[int, int]]:
-    """(remote experts, layers with that many): place() gives each layer the same count, a remainder one more."""
+    """(remote experts, layers with that many): place() gives each layer the same count, a remainder one more; layers
+    with none are left out (their steps ask the pod nothing)."""
     total, layers = lay.offload_bytes[0] // split.shape.expert_bytes, split.shape.num_layers
     base, extra = divmod(total, layers)
-    return [(n, count) for n, count in ((base + 1, extra), (base, layers - extra)) if count]
+    return [(n, count) for n, count in ((base + 1, extra), (base, layers - extra)) if count and n]  # none: no pod step
 
 
 def in_place_split(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int) -> tuple[float, float]:
@@ -350,7 +351,7 @@ def in_place_split(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: 
         return expected_later([pod_part(n - k, x) for x in range(n - k + 1)], binomial(n - k, routed),
                               [y * shape.expert_bytes / (hw.pcie_gbs * 1e9) for y in range(k + 1)], binomial(k, routed))
     # the shares that give some layer one more expert (rounded up: int(n x share) is k), the least first
-    shares = sorted({math.ceil(k / n * 100) / 100 for n, _ in kinds for k in range(n + 1)})
+    shares = sorted({math.ceil(k / n * 100) / 100 for n, _ in kinds for k in range(n + 1)}) or [0.0]
     seconds, share = min((sum(count * later(n, int(n * s + 1e-9)) for n, count in kinds) + calls, s) for s in shares)
     return share, max(seconds, gpu * hw.pcie_gbs / hw.dram_gbs)
 
