@@ -139,6 +139,34 @@ def test_the_one_token_calls_read_every_held_expert_once_a_cycle():
             assert step_ids.shape == (tokens, 8) and all(len(set(row.tolist())) == 8 for row in step_ids)
 
 
+def test_timed_calls_empty_the_cache_first_where_the_held_experts_outgrow_it():
+    """Serving reads the other layers' weights between two calls of one layer, so a timed call finds nothing of the
+    last one cached: where the held experts outgrow the last-level cache, each call is timed after a read of twice
+    the cache, and only FLUSHED_CALLS of them (each read costs about a call). Experts that fit the cache stay
+    cached in serving too: no read."""
+    log = []
+
+    class Layer:
+        def compute(self, x, ids, weights):
+            log.append(("call", ids))
+
+    class Flush:
+        def sum(self):
+            log.append(("read", None))
+
+    steps = [(None, i, None) for i in range(3)]
+    rates.call_seconds(Layer(), steps, seconds=60.0, flush=Flush())
+    timed = log[1:]  # after the warm-up call
+    assert timed == [("read", None), ("call", 0), ("read", None), ("call", 1), ("read", None), ("call", 2)] + timed[6:]
+    assert len(timed) == 2 * rates.FLUSHED_CALLS and timed[-1] == ("call", (rates.FLUSHED_CALLS - 1) % 3)
+    log.clear()
+    rates.call_seconds(Layer(), steps, seconds=0.0)  # no flush: a window of calls in turn, at least one
+    assert log == [("call", 2), ("call", 0)]
+    assert rates.flush_bytes(1 << 30, 480 << 20) == 960 << 20
+    assert rates.flush_bytes(400 << 20, 480 << 20) == 0 and rates.flush_bytes(1 << 30, 0) == 0
+    assert rates.cache_bytes() >= 1 << 20  # this Linux machine's sysfs lists its caches
+
+
 def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
     plan = plan_from_dict(RAW)
     figures = {"dram_gbs": 80.0, "cpu_gemv_gbs": 60.0, "cpu_tflops_per_core": 0.286, "copy_gbs": 50.0}
