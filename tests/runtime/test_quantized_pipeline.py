@@ -18,8 +18,8 @@ SERVED = {"w4a16": "Using CPUWNA16LinearKernel for CompressedTensorsWNA16",
           "int8": "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8",
           "fp8-dynamic": "Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8"}
 TOKENS = 24  # two prompts of 24 tokens: the time is the engine starts, three per format
-# but FP8 per-channel, whose CPU kernel (torch._scaled_mm, emulated) decodes the tiny model at 0.8 tok/s on 2 cores:
-# 24 tokens took 219 s of CI's 57 minutes
+# but FP8 per-channel, whose CPU kernel (ChannelWiseTorchFP8ScaledMMLinearKernel) decodes the tiny model at 0.8 tok/s
+# on 2 cores: with 24 tokens the test took 219-235 s, with 8 about 158
 TOKENS_OF = {"fp8-dynamic": 8}
 REFERENCE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 

@@ -9,6 +9,8 @@ A call computes `experts` distinct experts for `pairs` routed (token, slot) pair
 fitted to calls timed from one token on one expert to a batch of tokens over many experts. Pure but for `measure`."""
 from __future__ import annotations
 
+import glob
+import os
 import time
 from dataclasses import dataclass
 
@@ -84,8 +86,6 @@ def call_seconds(layer, steps: list, seconds: float = MEASURE_S, flush=None) -> 
 
 def cache_bytes() -> int:
     """The CPU's last-level cache (sysfs: the highest level cpu0 lists), or 0 where it says nothing."""
-    import glob
-    import os
     best = (0, 0)
     for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
         try:
