@@ -33,6 +33,16 @@ MEASURE_BYTES_ENV = "HYBRID_NODE_MEASURE_BYTES"  # bytes of weights the cpu part
 THREADS_ENV = "HYBRID_NODE_THREADS"  # the cpu part's threads (default: every CPU it may run on)
 GEMV_SHAPE = (4096, 14336)  # a product of the common 7-8B MLPs (N x K)
 PRODUCTS_ENV = "HYBRID_NODE_PRODUCTS"  # the cpu part's: "int8" times the coprocessor's int8 products (products_of)
+LAYER_ENV = "HYBRID_NODE_LAYER"  # the cpu part's: {"model", "dtype"} of a mixture of experts whose layer it times (layer_of)
+
+
+def layer_of(plan: Plan, shape) -> str | None:
+    """LAYER_ENV's value: a mixture of experts in a local folder (its config.json), whose decoder layer the cpu part times
+    as vLLM-cpu computes it (layer_timing: a pipeline CPU stage's layer, by more than its MoE call)."""
+    from pathlib import Path
+    if not shape.experts or not (Path(plan.model) / "config.json").is_file():
+        return None
+    return json.dumps({"model": plan.model, "dtype": plan.dtype})
 
 
 def products_of(shape) -> str | None:
@@ -69,18 +79,19 @@ def part_of(plan: Plan, stage: int) -> str | None:
 
 
 def part_path(plan: Plan, shm_dir: str, instance: str, replica: int, part: str, experts: str | None = None,
-              products: str | None = None) -> str:
-    """Keyed by the stages as planned and the model's experts (rates.SPEC_ENV) and products (PRODUCTS_ENV): a new spec
-    (other cpus, devices, model) measures again."""
-    key = [[s.__dict__ for s in plan.stages], experts, *([products] if products else [])]
+              products: str | None = None, layer: str | None = None) -> str:
+    """Keyed by the stages as planned and the model's experts (rates.SPEC_ENV), products (PRODUCTS_ENV) and layer
+    (LAYER_ENV): a new spec (other cpus, devices, model) measures again."""
+    key = [[s.__dict__ for s in plan.stages], experts, *([products] if products else []), *([layer] if layer else [])]
     key = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
     return os.path.join(shm_dir, f".hybrid-{instance}-r{replica}-node-{key.hexdigest()[:12]}-{part}.json")
 
 
-def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str | None = None) -> dict[str, float]:
+def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str | None = None,
+                layer: str | None = None) -> dict[str, float]:
     """This process's threads: DRAM read GB/s, product GB/s of weights at 1 row (bf16, or int8 for products "int8"),
-    TFLOP/s per core at 64 rows, timed as the coprocessor's server times its products; and the MoE kernel's call cost
-    for `experts` (rates.SPEC_ENV), on at most `nbytes` of them."""
+    TFLOP/s per core at 64 rows, timed as the coprocessor's server times its products; the MoE kernel's call cost
+    for `experts` (rates.SPEC_ENV), on at most `nbytes` of them; and `layer`'s (LAYER_ENV) decoder layer in vLLM-cpu."""
     import torch
 
     from .cpupod.server import measure_dram
@@ -107,8 +118,15 @@ def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str
     if experts:
         from .strategies.experts import rates
         moe = rates.measure(experts, nbytes)
+    layers = {}
+    if layer:  # last: vLLM's engine in this process keeps its threads (its CPU worker pins torch.set_num_threads)
+        from . import layer_timing
+        try:
+            layers = layer_timing.measure(**json.loads(layer))
+        except Exception as e:  # noqa: BLE001 (a layer vLLM-cpu cannot build: the cost model keeps the MoE call's)
+            print(f"vllm_hybrid.node: the decoder layer was not timed: {type(e).__name__}: {e}", file=sys.stderr)
     return {**out, "cpu_gemv_gbs": gbs[1], **timed,
-            "cpu_tflops_per_core": round(gbs[64] * flops_per_byte / 1e3 / torch.get_num_threads(), 4), **moe}
+            "cpu_tflops_per_core": round(gbs[64] * flops_per_byte / 1e3 / torch.get_num_threads(), 4), **moe, **layers}
 
 
 def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
@@ -132,6 +150,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
         if dram:  # serving reads each step's experts from DRAM: a faster fit read some from cache (2026-12-03's H200
             # box: 161.6 GB/s of experts against 91.9 of DRAM; its pod served at about half that)
             measured["moe_expert_gbs"] = min(figures["moe_expert_gbs"], dram)
+    from .layer_timing import TOKENS, figure_key
+    measured |= {figure_key(t): figures[figure_key(t)] for t in TOKENS if figures.get(figure_key(t))}
     if figures.get("moe_unserved"):  # no kernel there for the model's experts (rates.measure)
         measured["moe_unserved"] = 1.0
     if copy := figures.get("copy_gbs"):
@@ -152,7 +172,7 @@ def measured_part(part: str, env: dict[str, str]) -> dict[str, float]:
     """Run the measurement in a child process (its own threads, its own CUDA context that goes with it)."""
     import subprocess
     args = [sys.executable, "-m", "vllm_hybrid.node", part]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise PlanError(f"strategy auto: measuring the node ({part}) failed: {done.stderr.strip()[-400:]}")
     return figures_of(done.stdout)
@@ -164,7 +184,7 @@ def figures_of(stdout: str) -> dict[str, float]:
 
 
 def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measure=measured_part,
-                experts: str | None = None, products: str | None = None,
+                experts: str | None = None, products: str | None = None, layer: str | None = None,
                 needs: tuple[str, ...] = ("cpu", "gpu")) -> dict[str, float]:
     """This stage's part measured and published where it is the one to measure and nobody has (a stage restarted
     alone keeps its peers' figures), then every part, once all are there. experts: the model's (rates.spec_of),
@@ -172,7 +192,7 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
     copy engine reads the same DRAM, so both measured at once read less (57 GB/s of DRAM against 96 on the H100
     box, copies 49.9 against 53.3)."""
     shm_dir, instance = env.get("HYBRID_SHM_DIR", "/dev/shm"), env.get("HYBRID_INSTANCE", "local")
-    paths = {part: part_path(plan, shm_dir, instance, replica, part, experts, products) for part in ("cpu", "gpu")}
+    paths = {part: part_path(plan, shm_dir, instance, replica, part, experts, products, layer) for part in ("cpu", "gpu")}
     timeout = float(env.get(WAIT_ENV, 900))
     end = time.monotonic() + timeout
 
@@ -192,7 +212,7 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
         if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
             env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
                    or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)), **({SPEC_ENV: experts} if experts else {}),
-                   **({PRODUCTS_ENV: products} if products else {})}
+                   **({PRODUCTS_ENV: products} if products else {}), **({LAYER_ENV: layer} if layer else {})}
         t0 = time.monotonic()
         figures = dict(measure(mine, env))
         figures[f"{mine}_measure_s"] = round(time.monotonic() - t0, 2)
@@ -224,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         cpus = len(os.sched_getaffinity(0))
         torch.set_num_threads(min(cpus, int(os.environ.get(THREADS_ENV) or cpus)))
     cpu = args.part == "cpu"
-    print(json.dumps(measure_cpu(nbytes, os.environ.get(SPEC_ENV), os.environ.get(PRODUCTS_ENV)) if cpu
-                     else measure_gpu(nbytes)))
+    print(json.dumps(measure_cpu(nbytes, os.environ.get(SPEC_ENV), os.environ.get(PRODUCTS_ENV),
+                                 os.environ.get(LAYER_ENV)) if cpu else measure_gpu(nbytes)))
     return 0
 
 

