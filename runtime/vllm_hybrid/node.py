@@ -6,8 +6,9 @@ only: on the H100 box torch's GEMMs gave 1.2-1.4x the reference box's rate, wher
 of it, so `cpu_token_speed` stays fitted or given), and for a mixture of experts what a call of the MoE kernel costs
 on experts of the model's shape and format (strategies.experts.rates: a CPU stage's MoE layers and the experts
 server's calls are costed by it, not by a share of DRAM), and for a W8A8 INT8 checkpoint its one-row products on int8
-weights (the coprocessor's int8 kernel: its bytes are what a step reads); the first gpu stage the host-to-GPU copy rate from page-locked
-memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
+weights (the coprocessor's int8 kernel: its bytes are what a step reads), and under auto a mixture's decoder layer as
+vLLM-cpu computes it (layer_timing: a pipeline CPU stage's layer costs more than its MoE call); the first gpu stage the
+host-to-GPU copy rate from page-locked memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
 torch threads and no CUDA context) and writes its part once, into the replica's shared /dev/shm; every stage waits
 for all parts and resolves `auto` from the same figures, so they agree. A stage restarted alone reads the parts
 its running peers used instead of measuring again. The plan's `hardware` (spec.hardware) overrides any of them.
