@@ -41,6 +41,9 @@ def measure(model: str, dtype: str = "bfloat16", tokens=TOKENS) -> dict[str, flo
     """Seconds of one decoder layer at a decode step of each batch in `tokens` (figure_key), median over STEPS."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: its layer can be hooked
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from .cpubind import THP_ENV
+    for key, value in {**THP_ENV, "VLLM_CPU_SGL_KERNEL": "1"}.items():  # as a CPU stage's vLLM runs (launcher.vllm_env)
+        os.environ.setdefault(key, value)
     import torch
     from vllm import LLM, SamplingParams
 
