@@ -165,7 +165,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
 
 def used(hw: Hardware) -> str:
     """The figures the measurements set, as the log shows them."""
-    keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed", "moe_call_s", "moe_expert_gbs", "moe_pair_s")
+    keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed", "moe_call_s", "moe_expert_gbs", "moe_pair_s",
+            "cpu_layer_1_s", "cpu_layer_64_s")
     return ", ".join(f"{k} {getattr(hw, k):.3g}" for k in keys)
 
 
