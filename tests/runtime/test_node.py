@@ -66,7 +66,9 @@ def test_the_cpu_part_times_the_moe_kernel_on_the_models_experts(fmt, held):
     # the fit's error on these timings is reported, not bounded: on a loaded 2-core runner one window's noise took it
     # past 1 once (the fit itself is checked on exact lines: test_the_moe_call_fit_recovers_a_line_...)
     assert cpu["moe_call_s"] >= 0 and cpu["moe_pair_s"] >= 0 and 0 <= cpu["moe_fit_error"] < float("inf")
-    assert node.hardware(plan_from_dict(RAW), cpu).moe_expert_gbs == cpu["moe_expert_gbs"]
+    # the cost model's read: the fit's, held to the node's DRAM read (16 MiB of experts fit the cache: CI's run of
+    # 1c2de13 fitted 82.2 GB/s against a DRAM read of 54.5)
+    assert node.hardware(plan_from_dict(RAW), cpu).moe_expert_gbs == min(cpu["moe_expert_gbs"], cpu["dram_gbs"])
 
 
 def test_the_cpu_part_times_a_mixtures_decoder_layer_as_vllm_cpu_computes_it(tmp_path):
