@@ -86,6 +86,13 @@ PLANNED = ("p-pipeline", "p-offload", "p-balanced", "p-coproc", "p-experts", "p-
            "p-experts-kt", "p-experts-passive", "p-experts-rows", "p-auto", "p-prefetch-plain")
 
 
+def ran(run: dict) -> str | None:
+    """The strategy a run served: its own (p-experts-rows: experts), or what a live auto resolved at start."""
+    if run.get("strategy") != "auto":
+        return run.get("strategy")
+    return next((s["strategy"] for s in run.get("resolved", []) if s.get("strategy") != "auto"), None)
+
+
 def planned_table(r: dict) -> str:
     """p-*: the model larger than the GPU, one column per configuration; decode tokens/s from TPOT
     (short waves), the planner's split and what auto picks against the best measured."""
@@ -98,14 +105,15 @@ def planned_table(r: dict) -> str:
             "| | " + " | ".join(configs) + " | auto picks | auto / best |", "|---" * (len(configs) + 3) + "|"]
     # the strategy each configuration ran (the prefetch offloader streams offload's split)
     strategy_of = {"p-prefetch-plain": "offload", "p-coproc": "coprocessor"}
-    runs = {k: strategy_of.get(k) or plans.get(k[2:], {}).get("runs", k[2:]) for k in configs}
+    runs = {k: strategy_of.get(k) or ran(r[k]) or k[2:] for k in configs}
     waves = {k: {w["concurrency"]: w for w in r[k]["waves"]} for k in configs}  # runs may cover different ones
     for c in sorted({c for k in configs for c in waves[k]}):
         speed = {k: waves[k].get(c, {}).get("decode_tok_per_s") for k in configs}
         pick = plans.get(f"auto@{c}", {}).get("runs")
         measured = [k for k in configs if k != "p-prefetch-plain" and runs[k] == pick]
         best = max((v for k, v in speed.items() if k != "p-prefetch-plain" and v), default=None)
-        auto = f"{speed[measured[0]] / best:.2f}x" if measured and best and speed[measured[0]] else "not measured"
+        got = max((speed[k] for k in measured if speed[k]), default=None)  # the pick's fastest run (a live auto's too)
+        auto = f"{got / best:.2f}x" if got and best else "not measured"
         rows.append(f"| decode tok/s, concurrency {c} | " + " | ".join(str(v or "-") for v in speed.values())
                     + f" | {pick} | {auto} |")
         rows.append(f"| wave tok/s, concurrency {c} | "

