@@ -120,7 +120,7 @@ def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str
         from .strategies.experts import rates
         moe = rates.measure(experts, nbytes)
     # read again after the products and the MoE kernel (seconds later): one H100 box's start read 44.1 GB/s where the
-    # same box read 105 minutes later, and a read only undershoots (as the bench's bound: the fastest read holds)
+    # same box read 105 GB/s minutes later, and a read only undershoots (as the bench's bound: the fastest read holds)
     out["dram_gbs"] = max(out["dram_gbs"], measure_dram(nbytes))
     layers = {}
     if layer:  # last: vLLM's engine in this process keeps its threads (its CPU worker pins torch.set_num_threads)

@@ -28,7 +28,7 @@ LEASES = {
 # not held: that lease's Mixtral (gpu_bench-mixtral-w4a16-24gib-h200-2026-12-06c.json), where auto picks pipeline at 1,
 # 0.67x of experts: pipeline's CPU stage ran at half its predicted speed (bench/results/README.md says where it goes);
 # nor 2026-12-07's (gpu_bench-mixtral-w4a16-24gib-auto-h100-2026-12-07.json): its plan's figures read DRAM at 44.1 GB/s
-# where the live auto's stages read 105 minutes later, and on them the replay picks pipeline at 1 and 4 (0.86x / 0.84x
+# where the live auto's stages read 105 GB/s minutes later, and on them the replay picks pipeline at 1 and 4 (0.86x / 0.84x
 # by the wave); the live auto resolved experts and ran fastest
 
 

@@ -43,7 +43,7 @@ def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_ne
 @pytest.mark.parametrize("reads", [(44.1, 105.0), (105.0, 44.1)])
 def test_the_cpu_part_keeps_the_faster_of_two_dram_reads(monkeypatch, reads):
     """A read only undershoots: the part reads DRAM again after its products and keeps the faster (an H100 box's start
-    read 44.1 GB/s where it read 105 minutes later, and auto then picked the slower strategy)."""
+    read 44.1 GB/s where it read 105 GB/s minutes later, and auto then picked the slower strategy)."""
     from vllm_hybrid.cpupod import server
     left = list(reads)
     monkeypatch.setattr(server, "measure_dram", lambda nbytes: left.pop(0))
