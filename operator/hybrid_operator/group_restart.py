@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import names
-from .status import pod_index
+from .status import last_line, pod_index
 
 BACKOFF_S, BACKOFF_MAX_S = 10, 300  # as the kubelet's CrashLoopBackOff: 10 s doubling to 5 min
 EXIT_PEER_LOST = 75  # the runtime's exit code when another stage of its replica went away (supervise.py)
@@ -22,9 +22,8 @@ def last_failure(pod: dict[str, Any]) -> tuple[int, str, str] | None:
     term = failed_run(pod)
     if term is None:
         return None
-    lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
     code = term.get("exitCode")
-    line = lines[-1][-400:] if lines else f"exit code {code} ({term.get('reason', '')})"
+    line = last_line(term) or f"exit code {code} ({term.get('reason', '')})"
     return code, line, term.get("finishedAt") or ""
 
 

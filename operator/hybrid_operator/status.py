@@ -26,11 +26,21 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
             return "Unschedulable", f"pod {name}: {cond.get('message', 'unschedulable')}"
     for cs in status.get("initContainerStatuses", []) + status.get("containerStatuses", []):
         waiting = cs.get("state", {}).get("waiting", {})
-        if waiting.get("reason") in WAITING_FAILURES:
-            return waiting["reason"], f"pod {name}: {waiting.get('message', waiting['reason'])}"
         if cs.get("lastState", {}).get("terminated", {}).get("reason") == "OOMKilled":
             return "OOMKilled", f"pod {name}: container {cs.get('name')} was OOM-killed"
+        if waiting.get("reason") in WAITING_FAILURES:
+            kubelet = waiting.get("message", waiting["reason"])
+            # a one-stage replica restarts in place (no group restart records its cause): its own words come first
+            said = last_line(cs.get("lastState", {}).get("terminated") or {})
+            return waiting["reason"], f"pod {name}: {said} ({kubelet})" if said else f"pod {name}: {kubelet}"
     return None
+
+
+def last_line(terminated: dict[str, Any]) -> str | None:
+    """The last line of a finished run's termination message: the launcher's one-line cause (or the log tail the
+    kubelet keeps under FallbackToLogsOnError)."""
+    lines = [ln.strip() for ln in (terminated.get("message") or "").splitlines() if ln.strip()]
+    return lines[-1][-400:] if lines else None
 
 
 def _event_time(event: dict[str, Any]) -> str:

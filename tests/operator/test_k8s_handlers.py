@@ -515,6 +515,30 @@ async def test_a_replica_that_keeps_failing_backs_off_and_says_why_in_status(kmo
     assert status["failures"] == [] and live(kmock, HI)["llama"]["status"]["failures"] == []
 
 
+async def test_a_one_stage_instance_that_keeps_failing_says_why_in_status(kmock, api):
+    """One stage: nothing to re-form, so no group restart records the cause; the kubelet restarts the container in
+    place and backs off. Degraded still leads with the stage's own last line, before the kubelet's back-off."""
+    from hybrid_operator.reconcile import refresh_status
+    body = make_body(stages=stages(1))
+    put_instance(kmock, body)
+    why = "vllm-hybrid: model: no config.json at /models/no-such-model (missing model files?)"
+    crashing = failed_pod("gpu", 0, 0, f"INFO starting\n{why}\n")
+    back_off = "back-off 40s restarting failed container=vllm pod=llama-gpu-0_ml(uid)"
+    crashing["status"]["containerStatuses"][0]["state"] = {"waiting": {"reason": "CrashLoopBackOff", "message": back_off}}
+    kmock.objects["v1/pods", "ml", "llama-gpu-0"] = crashing
+    assert await handle_pod_event(api, "MODIFIED", crashing) == []
+    status = await refresh_status(api, live(kmock, HI)["llama"], SETTINGS)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert status["phase"] == "Degraded" and status["failures"] == []
+    assert degraded["reason"] == "CrashLoopBackOff"
+    assert degraded["message"] == f"pod llama-gpu-0: {why} ({back_off})"
+    # killed by the kernel for its memory limit: said as such, whatever the back-off
+    crashing["status"]["containerStatuses"][0]["lastState"]["terminated"]["reason"] = "OOMKilled"
+    status = await refresh_status(api, live(kmock, HI)["llama"], SETTINGS)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["reason"], degraded["message"]) == ("OOMKilled", "pod llama-gpu-0: container vllm was OOM-killed")
+
+
 async def test_a_lost_pod_of_a_ready_instance_shows_in_status_at_once(kmock, api):
     """Not at the next resync: the pod event itself refreshes the status of an instance that says Ready."""
     from hybrid_operator.reconcile import refresh_on_pod_loss, refresh_status
