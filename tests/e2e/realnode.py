@@ -131,6 +131,34 @@ class BuildahStore:
         return path
 
 
+def blob_name(digest: str) -> str:
+    """A blob's path in an OCI layout or archive."""
+    return f"blobs/{digest.replace(':', '/')}"
+
+
+def import_oci(name: str, members: dict[str, bytes], files: dict[str, Path], what: str) -> None:
+    """An OCI archive streamed into the node's containerd (`ctr images import`): small members from memory, blobs
+    from files, as ctr reads them."""
+    importer = subprocess.Popen(ctr_command("images", "import", "--base-name", name, "-"),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with tarfile.open(fileobj=importer.stdin, mode="w|") as tar:
+            for member, data in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            for arcname, path in files.items():
+                tar.add(path, arcname=arcname)
+        importer.stdin.close()
+    except BrokenPipeError:
+        pass  # ctr stopped reading: its own error says why
+    out, err = importer.stdout.read(), importer.stderr.read()
+    importer.wait(60)
+    if importer.returncode:
+        raise AssertionError(f"ctr images import ({what}) failed ({importer.returncode}):\n{out.decode()[-3000:]}\n"
+                             f"{err.decode()[-3000:]}")
+
+
 def oci_layout(ref: str) -> Path:
     """The OCI layout under CACHE that an image's builds are written to for RealNode.import_delta (by short name)."""
     return CACHE / "oci" / ref.rsplit(":", 1)[0].rsplit("/", 1)[-1]
@@ -338,28 +366,11 @@ class RealNode:
             index = {"schemaVersion": 2, "manifests": [
                 {"mediaType": manifest["mediaType"], "digest": manifest_digest, "size": len(manifest_bytes),
                  "annotations": {"org.opencontainers.image.ref.name": tag}}]}
-            importer = subprocess.Popen(ctr_command("images", "import", "--base-name", name, "-"),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            try:
-                with tarfile.open(fileobj=importer.stdin, mode="w|") as tar:
-                    members = {"oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
-                               "index.json": json.dumps(index).encode(),
-                               **{f"blobs/{d.replace(':', '/')}": data for d, data in blobs.items()}}
-                    for member, data in members.items():
-                        info = tarfile.TarInfo(member)
-                        info.size = len(data)
-                        tar.addfile(info, io.BytesIO(data))
-                    for digest, path in files.items():
-                        tar.add(path, arcname=f"blobs/{digest.replace(':', '/')}")
-                importer.stdin.close()
-            except BrokenPipeError:
-                pass  # ctr stopped reading: its own error says why
-            out, err = importer.stdout.read(), importer.stderr.read()
-            importer.wait(60)
-            if importer.returncode:
-                raise AssertionError(f"ctr images import ({len(missing)} of {len(manifest['layers'])} layers from "
-                                     f"buildah's store) failed ({importer.returncode}):\n{out.decode()[-2000:]}\n"
-                                     f"{err.decode()[-2000:]}")
+            import_oci(name, {"oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
+                              "index.json": json.dumps(index).encode(),
+                              **{blob_name(d): data for d, data in blobs.items()}},
+                       {blob_name(d): path for d, path in files.items()},
+                       f"{len(missing)} of {len(manifest['layers'])} layers from buildah's store")
         finally:
             shutil.rmtree(work, ignore_errors=True)
         size = sum(d["size"] for d in missing)
@@ -385,25 +396,8 @@ class RealNode:
         held = set(self.ctr("content", "ls", "-q").split())  # one digest a line
         layers = [d["digest"] for d in manifest["layers"]]
         carried = [entry["digest"], manifest["config"]["digest"], *(d for d in layers if d not in held)]
-        importer = subprocess.Popen(ctr_command("images", "import", "--base-name", name, "-"),
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            with tarfile.open(fileobj=importer.stdin, mode="w|") as tar:
-                for member, data in (("oci-layout", (layout / "oci-layout").read_bytes()),
-                                     ("index.json", json.dumps(index).encode())):
-                    info = tarfile.TarInfo(member)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-                for digest in carried:
-                    tar.add(blob(digest), arcname=f"blobs/{digest.replace(':', '/')}")
-            importer.stdin.close()
-        except BrokenPipeError:
-            pass  # ctr stopped reading: its own error says why
-        out, err = importer.stdout.read(), importer.stderr.read()
-        importer.wait(60)
-        if importer.returncode:
-            raise AssertionError(f"ctr images import (OCI, {len(carried) - 2} of {len(layers)} layers carried) failed "
-                                 f"({importer.returncode}):\n{out.decode()[-3000:]}\n{err.decode()[-3000:]}")
+        import_oci(name, {"oci-layout": (layout / "oci-layout").read_bytes(), "index.json": json.dumps(index).encode()},
+                   {blob_name(d): blob(d) for d in carried}, f"OCI, {len(carried) - 2} of {len(layers)} layers carried")
         # the layout keeps what this build references: the next build's unchanged layers are not written again
         keep = {entry["digest"], manifest["config"]["digest"], *layers}
         for path in (layout / "blobs" / "sha256").iterdir():
