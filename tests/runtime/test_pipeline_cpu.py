@@ -270,7 +270,8 @@ def test_still_serving_after_bad_input(pipeline):
     assert r["usage"]["completion_tokens"] == 4
 
 
-LOAD_SECONDS = float(os.environ.get("HYBRID_LOAD_SECONDS", "120"))  # 24 RSS samples; CI time is bounded
+LOAD_SECONDS = float(os.environ.get("HYBRID_LOAD_SECONDS", "90"))  # 30 RSS samples, one each RSS_EVERY_S; CI has an hour
+RSS_EVERY_S, WARM_S = 3, 30
 LOAD_CLIENTS = 32
 
 
@@ -311,13 +312,13 @@ def test_bounded_load_no_failures_flat_memory(pipeline):
         t.start()
     while any(t.is_alive() for t in threads):
         rss.append(stage_rss(pipeline))
-        time.sleep(5)
+        time.sleep(RSS_EVERY_S)
     for t in threads:
         t.join()
     e2e = sorted(r["e2e"] for r in results)
     ttft = sorted(r["ttft"] for r in results)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
-    warm = rss[len(rss) // 4] if len(rss) > 4 else rss[0]
+    warm = rss[min(len(rss) - 1, WARM_S // RSS_EVERY_S)]  # the allocators' warm-up is over by then
     report = {"clients": LOAD_CLIENTS, "seconds": LOAD_SECONDS, "requests": len(results), "failed": len(failures),
               "tokens": sum(r["tokens"] for r in results),
               "ttft_s": {"p50": q(ttft, .5), "p90": q(ttft, .9), "p99": q(ttft, .99)},
