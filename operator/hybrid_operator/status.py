@@ -31,7 +31,8 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
         if waiting.get("reason") in WAITING_FAILURES:
             kubelet = waiting.get("message", waiting["reason"])
             # a one-stage replica restarts in place (no group restart records its cause): its own words come first
-            said = last_line(cs.get("lastState", {}).get("terminated") or {})
+            # where its own exit is what it waits on (an image pull's wait is not about the last run)
+            said = waiting["reason"] == "CrashLoopBackOff" and last_line(cs.get("lastState", {}).get("terminated") or {})
             return waiting["reason"], f"pod {name}: {said} ({kubelet})" if said else f"pod {name}: {kubelet}"
     return None
 

@@ -532,6 +532,12 @@ async def test_a_one_stage_instance_that_keeps_failing_says_why_in_status(kmock,
     assert status["phase"] == "Degraded" and status["failures"] == []
     assert degraded["reason"] == "CrashLoopBackOff"
     assert degraded["message"] == f"pod llama-gpu-0: {why} ({back_off})"
+    # a wait that is not about the last run (a new image that cannot be pulled) is the kubelet's alone
+    pulling = "Back-off pulling image \"runtime:v2\""
+    crashing["status"]["containerStatuses"][0]["state"] = {"waiting": {"reason": "ImagePullBackOff", "message": pulling}}
+    status = await refresh_status(api, live(kmock, HI)["llama"], SETTINGS)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["reason"], degraded["message"]) == ("ImagePullBackOff", f"pod llama-gpu-0: {pulling}")
     # killed by the kernel for its memory limit: said as such, whatever the back-off
     crashing["status"]["containerStatuses"][0]["lastState"]["terminated"]["reason"] = "OOMKilled"
     status = await refresh_status(api, live(kmock, HI)["llama"], SETTINGS)
