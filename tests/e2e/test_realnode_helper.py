@@ -81,7 +81,7 @@ def test_a_killed_runs_daemons_are_stopped_and_containerd_left_to_node_down(tmp_
 
 
 def test_a_half_written_image_layout_falls_back_to_the_whole_archive_and_is_cleared(tmp_path, monkeypatch):
-    """import_delta_or_whole: the OCI layout a killed run left half written (its index.json cut short) loses nothing
+    """import_delta_or_whole: with buildah's store unreadable, the OCI layout a killed run left half written (its index.json cut short) loses nothing
     but time: the image goes in as the whole streamed archive, and the layout is cleared for the next build."""
     monkeypatch.setattr(realnode, "CACHE", tmp_path)
     layout = tmp_path / "oci" / "runtime-cpu"
@@ -91,7 +91,12 @@ def test_a_half_written_image_layout_falls_back_to_the_whole_archive_and_is_clea
     monkeypatch.setattr(realnode, "run", lambda cmd, *a, **k: pushed.append(cmd[:2]) or "")  # buildah push: left as is
     node = realnode.RealNode.__new__(realnode.RealNode)
     monkeypatch.setattr(node, "import_streamed", lambda image_id, ref: f"whole archive of {image_id} as {ref}")
+
+    def store_gone(image_id, ref):
+        raise FileNotFoundError("buildah's store has no image abc")
+    monkeypatch.setattr(node, "import_from_store", store_gone)
     how = node.import_delta_or_whole("abc", "localhost/hybrid-inference/runtime-cpu:dev")
     assert pushed == [["buildah", "push"]]
-    assert how.startswith("whole archive of abc as localhost/hybrid-inference/runtime-cpu:dev (the delta failed: ")
+    assert how.startswith("whole archive of abc as localhost/hybrid-inference/runtime-cpu:dev (failed: from the store: "
+                          "buildah's store has no image abc; the delta: ")
     assert not layout.exists()
