@@ -454,7 +454,7 @@ def planned_split(strategy: str, figures: dict | None = None, **expected):
 def node_figures() -> dict:
     """What a live `auto` measures of this node at start (vllm_hybrid.node): the cpu part in the CPU stage's
     environment and cores, with the model's experts (its MoE kernel's call) or int8 products, then the gpu part (the host-to-GPU
-    copy), one after the other as the stages do."""
+    copy; Marlin's call on W4A16 experts read in place), one after the other as the stages do."""
     from vllm_hybrid import node
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategies.experts.rates import SPEC_ENV, spec_of
@@ -465,7 +465,8 @@ def node_figures() -> dict:
     cpu = {**CPU_ENV, "HYBRID_CPUS": cpus, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu",
            **({SPEC_ENV: spec} if spec else {}), **({node.PRODUCTS_ENV: products} if products else {}),
            **({node.LAYER_ENV: layer} if layer else {})}
-    for part, env in (("cpu", cpu), ("gpu", GPU_ENV)):
+    gpu = {**GPU_ENV, **({SPEC_ENV: spec} if spec else {})}  # W4A16 experts: Marlin's call on them read in place
+    for part, env in (("cpu", cpu), ("gpu", gpu)):
         t0 = time.monotonic()
         figures |= node.measured_part(part, {**os.environ, **env})
         figures[f"{part}_measure_s"] = round(time.monotonic() - t0, 2)

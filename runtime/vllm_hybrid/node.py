@@ -8,7 +8,8 @@ on experts of the model's shape and format (strategies.experts.rates: a CPU stag
 server's calls are costed by it, not by a share of DRAM), and for a W8A8 INT8 checkpoint its one-row products on int8
 weights (the coprocessor's int8 kernel: its bytes are what a step reads), and under auto a mixture's decoder layer as
 vLLM-cpu computes it (layer_timing: a pipeline CPU stage's layer costs more than its MoE call); the first gpu stage the
-host-to-GPU copy rate from page-locked memory. Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
+host-to-GPU copy rate from page-locked memory, and for W4A16 experts Marlin's call on them read in place over PCIe
+(strategies.experts.in_place: the GPU's share of the pod's steps). Each runs in a child process (`python -m vllm_hybrid.node cpu|gpu`: the launcher keeps no
 torch threads and no CUDA context) and writes its part once, into the replica's shared /dev/shm; every stage waits
 for all parts and resolves `auto` from the same figures, so they agree. A stage restarted alone reads the parts
 its running peers used instead of measuring again. The plan's `hardware` (spec.hardware) overrides any of them.
@@ -133,13 +134,18 @@ def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str
             "cpu_tflops_per_core": round(gbs[64] * flops_per_byte / 1e3 / torch.get_num_threads(), 4), **moe, **layers}
 
 
-def measure_gpu(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Host-to-GPU copy GB/s from page-locked memory, as the coprocessor times its region's; nothing without CUDA."""
+def measure_gpu(nbytes: int = 1 << 30, experts: str | None = None) -> dict[str, float]:
+    """Host-to-GPU copy GB/s from page-locked memory, as the coprocessor times its region's; for `experts`
+    (rates.SPEC_ENV) in W4A16, Marlin's call on them read in place (the share strategy experts' GPU computes at the
+    pod's steps: experts.in_place); nothing without CUDA."""
     import torch
     if not torch.cuda.is_available():
         return {}
     from .strategies.coprocessor.client import measure_copy
-    return {"copy_gbs": measure_copy(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes)}
+    from .strategies.experts import in_place
+    out = {"copy_gbs": measure_copy(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes)}
+    torch.cuda.empty_cache()
+    return out | in_place.measure(experts, nbytes)
 
 
 def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
@@ -157,6 +163,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
     measured |= {layer_figure(t): figures[layer_figure(t)] for t in LAYER_TOKENS if figures.get(layer_figure(t))}
     if figures.get("moe_unserved"):  # no kernel there for the model's experts (rates.measure)
         measured["moe_unserved"] = 1.0
+    if figures.get("in_place_gbs"):  # Marlin's call on kept experts read over PCIe (strategies.experts.in_place)
+        measured |= {"in_place_call_s": figures.get("in_place_call_s", 0.0), "in_place_gbs": figures["in_place_gbs"]}
     if copy := figures.get("copy_gbs"):
         measured["prefetch_pcie_gbs"] = copy
         # the coprocessor reads the CPU rows and streams the GPU's at once, both from the one DRAM
@@ -168,7 +176,7 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
 def used(hw: Hardware) -> str:
     """The figures the measurements set, as the log shows them."""
     keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed", "moe_call_s", "moe_expert_gbs", "moe_pair_s",
-            "cpu_layer_1_s", "cpu_layer_64_s")
+            "in_place_call_s", "in_place_gbs", "cpu_layer_1_s", "cpu_layer_64_s")
     return ", ".join(f"{k} {getattr(hw, k):.3g}" for k in keys)
 
 
@@ -213,6 +221,7 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
     if mine and not os.path.exists(paths[mine]):
         if mine == "gpu":
             wait("cpu")
+            env = {**env, **({SPEC_ENV: experts} if experts else {})}  # the in-place share's call on them
         if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
             env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
                    or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)), **({SPEC_ENV: experts} if experts else {}),
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(min(cpus, int(os.environ.get(THREADS_ENV) or cpus)))
     cpu = args.part == "cpu"
     print(json.dumps(measure_cpu(nbytes, os.environ.get(SPEC_ENV), os.environ.get(PRODUCTS_ENV),
-                                 os.environ.get(LAYER_ENV)) if cpu else measure_gpu(nbytes)))
+                                 os.environ.get(LAYER_ENV)) if cpu else measure_gpu(nbytes, os.environ.get(SPEC_ENV))))
     return 0
 
 

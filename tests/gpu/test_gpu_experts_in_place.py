@@ -88,3 +88,27 @@ def test_marlin_reads_a_shared_layer_in_place_and_equals_it_on_a_gpu_copy():
     assert len(cases) == 4 and all(c["rel_diff"] < 5e-3 and c["pod_ids_skip_shared"] for c in cases), figures
     # read over PCIe: slower than the GPU's own memory, but a read at all (not a copy of the layer a step)
     assert all(0 < c["ms_on_gpu_copy"] < c["ms"] for c in cases), figures
+
+
+NODE_CHILD = r"""
+import json, time
+from vllm_hybrid import node
+out = {}
+for name, spec in (("mixtral", "w4a16:4096:14336:8:2"), ("qwen3_235b", "w4a16:4096:1536:128:8")):
+    t0 = time.perf_counter()
+    out[name] = node.measure_gpu(1 << 30, spec) | {"seconds": round(time.perf_counter() - t0, 2)}
+print(json.dumps(out))
+"""
+
+
+def test_the_node_gpu_part_measures_marlins_call_on_experts_read_in_place():
+    """node.measure_gpu with the model's W4A16 experts (experts.in_place.measure): Marlin's call fitted over 1-8
+    tokens on experts read in place over PCIe, as the cost model weighs the GPU's share of the pod's steps. A read
+    over PCIe: above nothing and below what the copy engine moves (it reads whole stacks at full width), the fit
+    close to the calls, in seconds of the stage's start."""
+    figures = run_child(NODE_CHILD, (), VLLM_USE_FLASHINFER_SAMPLER="0")
+    record({"node_in_place": figures})
+    for name, f in figures.items():
+        assert 0 < f["in_place_gbs"] < 1.2 * f["copy_gbs"], (name, figures)
+        assert f["in_place_fit_error"] < 0.3 and f["in_place_call_s"] < 1e-3 and f["seconds"] < 60, (name, figures)
+    assert figures["mixtral"]["in_place_experts_held"] == 8 and figures["qwen3_235b"]["in_place_experts_held"] >= 100

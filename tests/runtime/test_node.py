@@ -1,6 +1,7 @@
 """strategy auto from what the stages measure of their node (node.py): the measurements, the hand-over through the
 replica's /dev/shm, and the cost model's figures from them, the plan's own over both."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from vllm_hybrid.plan import PlanError, plan_from_dict
 from vllm_hybrid.planner import model_shape
 from vllm_hybrid.strategies import Hardware, resolve_split
 from vllm_hybrid.strategies.experts import rates
-from vllm_hybrid.tinymodel import LLAMA_3_1_8B
+from vllm_hybrid.tinymodel import LLAMA_3_1_8B, MIXTRAL_8X7B, W4A16_GROUP128
 
 STAGES = [{"name": "gpu", "device": "gpu", "layers": 16}, {"name": "cpu", "device": "cpu", "layers": 16, "cpus": 15,
                                                            "memory": "24Gi"}]
@@ -38,6 +39,8 @@ def test_the_cpu_part_measures_dram_one_row_products_and_compute_the_gpu_part_ne
     assert set(cpu) == {"dram_gbs", "cpu_gemv_gbs", gemv, "cpu_tflops_per_core"}
     assert all(v > 0 for v in cpu.values()) and cpu["cpu_gemv_gbs"] == cpu[gemv]
     assert measure("gpu") == {}  # no CUDA here: the copy rate stays the model's own
+    # nor the in-place share's call on a W4A16 mixture's experts
+    assert measure("gpu", **{rates.SPEC_ENV: "w4a16:4096:14336:8:2"}) == {}
 
 
 @pytest.mark.parametrize("reads", [(44.1, 105.0), (105.0, 44.1)])
@@ -219,6 +222,11 @@ def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
     # experts fitted faster than DRAM reads were partly in cache; a step reads its experts from DRAM
     assert node.hardware(plan, {**figures, **moe, "moe_expert_gbs": 161.6}).moe_expert_gbs == 80.0
     assert node.hardware(plan, {**moe, "moe_expert_gbs": 161.6}).moe_expert_gbs == 161.6  # no DRAM figure to hold it to
+    # Marlin's call on kept experts read in place (the GPU's share of the pod's steps); else pcie_gbs reads them
+    in_place = {"in_place_call_s": 6e-5, "in_place_gbs": 42.2, "in_place_pair_s": 0.0, "in_place_fit_error": 0.05}
+    hw = node.hardware(plan, {**figures, **in_place})
+    assert (hw.in_place_call_s, hw.in_place_gbs, hw.pcie_gbs) == (6e-5, 42.2, d.pcie_gbs)
+    assert "in_place_gbs 42.2" in node.used(hw) and node.hardware(plan, figures).in_place_gbs == 0.0
 
 
 def test_auto_follows_the_measured_node():
@@ -238,12 +246,13 @@ def test_each_stage_reads_the_same_figures_and_a_stage_restarted_alone_keeps_the
     plan = plan_from_dict({**RAW, "stages": [*STAGES, {"name": "cpu2", "device": "cpu", "layers": 2, "cpus": 1,
                                                   "memory": "4Gi"}]})
     env = {"HYBRID_SHM_DIR": str(tmp_path), "HYBRID_INSTANCE": "t"}
-    spec = "w4a16:4096:1536:128:8"  # the model's experts: the cpu part times its MoE kernel on them
+    spec = "w4a16:4096:1536:128:8"  # the model's experts: the cpu part times its MoE kernel on them, the gpu part
+    # Marlin's call on them read in place (the share of the pod's steps it computes)
     calls, threads, cpu_path = [], [], node.part_path(plan, str(tmp_path), "t", 0, "cpu", spec)
 
     def fake(part, measure_env):
         calls.append(part)
-        assert measure_env.get(rates.SPEC_ENV) == ("w4a16:4096:1536:128:8" if part == "cpu" else None)
+        assert measure_env.get(rates.SPEC_ENV) == "w4a16:4096:1536:128:8"
         # the copies read the same DRAM: the gpu part measures once the cpu part is done, not beside it
         assert part == "cpu" or os.path.exists(cpu_path)
         if part == "cpu":  # the stage's cpus, not the whole cpuset; 1 GiB at most, an eighth of its memory
@@ -291,3 +300,18 @@ def test_the_launcher_measures_for_auto_logs_it_and_every_stage_picks_the_same(t
                              env={**env, node.FIGURES_ENV: json.dumps({"dram_gbs": 90.5})}, capture_output=True,
                              text=True, timeout=60)
     assert metrics.stdout.strip() == "{'dram_gbs': 90.5}", metrics.stderr  # hybrid_stage_measured{figure=...}
+
+
+def test_the_gpu_part_times_the_in_place_share_only_for_experts_marlin_reads_in_place():
+    """in_place.shape_of: W4A16 experts whose Marlin layout keeps their stacks' size (the intermediate a multiple of
+    128) are what the main stage shares in place; bf16, FP8 and INT8 experts, AWQ's, and a padded shape are not."""
+    from vllm_hybrid.strategies.experts import in_place
+    assert in_place.shape_of("w4a16:4096:14336:8:2") == (4096, 14336, 8, 2)  # Mixtral-8x7B
+    assert in_place.shape_of("w4a16:4096:1536:128:8") == (4096, 1536, 128, 8)  # Qwen3-235B-A22B
+    for spec in (None, "", "bf16:4096:14336:8:2", "fp8-block:4096:14336:8:2", "int8:4096:14336:8:2",
+                 "w4a16-awq:4096:14336:8:2", "w4a16:2880:2880:32:4"):  # the last: gpt-oss's 2880, which Marlin pads to 2944
+        assert in_place.shape_of(spec) is None, spec
+    # an expert's bytes as the loader writes it (int4 words and bf16 scales of group 128): the cost model's
+    shape = model_shape({**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128}, "bfloat16")
+    assert sum(math.prod(s) * {"int32": 4, "bfloat16": 2}[dt] for s, dt in in_place.roles(4096, 14336).values()) \
+        == shape.expert_bytes

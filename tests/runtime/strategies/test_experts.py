@@ -741,7 +741,13 @@ def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategies import Workload, get
-    from vllm_hybrid.strategies.experts import in_place_read_s, in_place_shares, in_place_split, pod_rows, remote_layers
+    from vllm_hybrid.strategies.experts import (
+        in_place_shares,
+        in_place_split,
+        pod_rows,
+        remote_layers,
+        routed_remote_bytes,
+    )
     from vllm_hybrid.strategies.experts.client import spread
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
     stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.1573, "memory": "143771Mi"},
@@ -780,12 +786,50 @@ def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
     kinds = dict(remote_layers(split, lay))
     assert sorted(kinds) == [1, 2] and sum(kinds.values()) == 32
     later = sum(count * expected_step(4, n // 2, n) for n, count in kinds.items()) + 32 * measured.coproc_call_s
-    read = in_place_read_s(split, lay, measured, 4) * measured.pcie_gbs / measured.dram_gbs
+    read = routed_remote_bytes(split, lay, 4) / (measured.dram_gbs * 1e9)
     assert strategy.cost(plan, split, lay, 0, Workload(4, 32, 16), measured).step_s == pytest.approx(later) and later > read
     slow = node.hardware(plan, {"dram_gbs": 40.0, "moe_call_s": 0.0, "moe_expert_gbs": 71.4, "moe_pair_s": 1.69318e-4})
     assert in_place_split(plan, split, lay, slow, 4, rows)[0] == 0.5
-    read = in_place_read_s(split, lay, slow, 4) * slow.pcie_gbs / slow.dram_gbs
+    read = routed_remote_bytes(split, lay, 4) / (slow.dram_gbs * 1e9)
     assert strategy.cost(plan, split, lay, 0, Workload(4, 32, 16), slow).step_s == pytest.approx(read) and read > later
     bf16 = model_shape(MIXTRAL_8X7B, "bfloat16")
     split16 = split_layers(plan, bf16, None, strategy)
     assert in_place_shares(plan, split16, strategy.layout(plan, split16), measured, 8) == []
+
+
+def test_the_gpus_share_follows_its_in_place_call_as_measured_at_start():
+    """The GPU's part of a shared step is Marlin's call on its experts read in place, as the node's gpu part measured
+    it (experts.in_place_s), not the model's streamed rate (pcie_gbs). The 2026-12-07c H100 box's live start (its
+    pod's call 0.42 ms, an expert at 125.3 GB/s; DRAM 135): at pcie_gbs the GPU took one of each 2-expert layer's
+    experts from 4 tokens, which an A/B there found 15% slower than the pod alone; at Marlin's in-place rate measured
+    on an H200 (42.2 GB/s) it shares from 8, and at 30 GB/s from 32."""
+    from vllm_hybrid.plan import plan_from_dict
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import get
+    from vllm_hybrid.strategies.experts import in_place_s, in_place_shares, in_place_split, pod_rows
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
+    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.1573, "memory": "143771Mi"},
+              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"}]
+    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts",
+                           "max_num_seqs": 64, "block_size": 128, "stages": stages})
+    strategy = get("experts")
+    w4a16 = model_shape({**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128}, "bfloat16")
+    split = split_layers(plan, w4a16, None, strategy)
+    lay = strategy.layout(plan, split)
+    live = {"dram_gbs": 135.0, "moe_call_s": 4.193e-4, "moe_expert_gbs": 125.3, "moe_pair_s": 9.9237e-05,
+            "copy_gbs": 54.91}
+
+    def first_shared(figures: dict) -> int:
+        hw = node.hardware(plan, figures)
+        return next(t for t, share in in_place_shares(plan, split, lay, hw, pod_rows(plan, split, lay, hw)) if share)
+    assert first_shared(live) == 4
+    assert first_shared({**live, "in_place_call_s": 5e-5, "in_place_gbs": 42.2}) == 8
+    assert first_shared({**live, "in_place_call_s": 0.0, "in_place_gbs": 30.0}) == 32
+    # the GPU's part: nothing routed to it costs nothing; else the call and the experts' bytes at the measured rate
+    hw = node.hardware(plan, {**live, "in_place_call_s": 5e-5, "in_place_gbs": 42.2})
+    assert in_place_s(hw, 0, w4a16.expert_bytes) == 0.0
+    assert in_place_s(hw, 2, w4a16.expert_bytes) == pytest.approx(5e-5 + 2 * w4a16.expert_bytes / 42.2e9)
+    # a slower in-place read never makes a shared step shorter
+    steps = [in_place_split(plan, split, lay, node.hardware(plan, {**live, "in_place_gbs": gbs}), 16, 64)[1]
+             for gbs in (60.0, 42.2, 30.0, 10.0)]
+    assert steps == sorted(steps) and steps[0] < steps[-1]

@@ -291,10 +291,20 @@ def shares_in_place(plan: Plan, split: Split, lay: Layout) -> bool:
     return kept_format(shape) and marlin_in_place(shape) and pod_keeps_stacks(plan, lay, shape)
 
 
-def in_place_read_s(split: Split, lay: Layout, hw: Hardware, tokens: int) -> float:
-    """A step's routed remote experts read by the GPU over PCIe, every one of them."""
+def routed_remote_bytes(split: Split, lay: Layout, tokens: int) -> float:
+    """A step's routed remote experts' bytes, every layer's: what the pod and the GPU's share read of DRAM together."""
     shape = split.shape
-    return lay.offload_bytes[0] * (1 - (1 - shape.routed / shape.experts) ** tokens) / (hw.pcie_gbs * 1e9)
+    return lay.offload_bytes[0] * (1 - (1 - shape.routed / shape.experts) ** tokens)
+
+
+def in_place_s(hw: Hardware, experts: int, expert_bytes: int) -> float:
+    """The GPU's part of a layer step computing `experts` routed experts in place: Marlin's call as the gpu part
+    measured it (in_place.measure), else their bytes at pcie_gbs."""
+    if not experts:
+        return 0.0
+    if hw.in_place_gbs:
+        return hw.in_place_call_s + experts * expert_bytes / (hw.in_place_gbs * 1e9)
+    return experts * expert_bytes / (hw.pcie_gbs * 1e9)
 
 
 def binomial(n: int, p: float) -> list[float]:
@@ -328,13 +338,13 @@ def remote_layers(split: Split, lay: Layout) -> list[tuple[int, int]]:
 def in_place_split(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int) -> tuple[float, float]:
     """(share, seconds) of a pod step of `tokens` with the GPU's in-place share: the share (client.spread gives the GPU
     int(n x share) of a layer's n remote experts) at which the expected later of the pod (its part) and the GPU's read
-    (its part's routed bytes at pcie_gbs) is soonest; no sooner than DRAM gives both their bytes (the copy engine and
+    (in_place_s: its part's routed experts, as measured at start) is soonest; no sooner than DRAM gives both their bytes (the copy engine and
     the CPU read the same DRAM). The expectation is over which experts a step routes to (each of a layer's with
     probability 1 - (1 - top_k / experts) ^ tokens): a step waits for the later of the two each time, and a mean of
     either hides the tail (Mixtral W4A16 at one token, 2 remote experts a layer: sharing one by the means looked 0.46 ms
     a layer against the pod alone's 0.57; by the expectation it is 0.67, so it shares none there)."""
     shape = split.shape
-    pod, gpu = pod_step_s(plan, split, lay, hw, tokens, rows), in_place_read_s(split, lay, hw, tokens)
+    pod = pod_step_s(plan, split, lay, hw, tokens, rows)
     kinds = remote_layers(split, lay)
     routed = 1 - (1 - shape.routed / shape.experts) ** tokens
     calls = shape.num_layers * -(-tokens // rows) * hw.coproc_call_s
@@ -349,11 +359,11 @@ def in_place_split(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: 
 
     def later(n: int, k: int) -> float:  # a layer's expected step with k of its n remote experts read by the GPU
         return expected_later([pod_part(n - k, x) for x in range(n - k + 1)], binomial(n - k, routed),
-                              [y * shape.expert_bytes / (hw.pcie_gbs * 1e9) for y in range(k + 1)], binomial(k, routed))
+                              [in_place_s(hw, y, shape.expert_bytes) for y in range(k + 1)], binomial(k, routed))
     # the shares that give some layer one more expert (rounded up: int(n x share) is k), the least first
     shares = sorted({math.ceil(k / n * 100) / 100 for n, _ in kinds for k in range(n + 1)}) or [0.0]
     seconds, share = min((sum(count * later(n, int(n * s + 1e-9)) for n, count in kinds) + calls, s) for s in shares)
-    return share, max(seconds, gpu * hw.pcie_gbs / hw.dram_gbs)
+    return share, max(seconds, routed_remote_bytes(split, lay, tokens) / (hw.dram_gbs * 1e9))
 
 
 def shared_step_s(plan: Plan, split: Split, lay: Layout, hw: Hardware, tokens: int, rows: int) -> float:
