@@ -172,7 +172,8 @@ def _with_roles(fmt: WeightFormat, ignore: list[str], substring: bool = False) -
 def cpu_refusal(fmt: WeightFormat, dtype: str, cpu_flags: set[str]) -> str | None:
     """Why vLLM 0.26's CPU build cannot compute a CPU stage's layers in this format and dtype on a CPU with these
     flags (/proc/cpuinfo); None: it can (its kernels: vllm/model_executor/kernels/linear/{scaled_mm,mixed_precision}/
-    cpu.py; per-channel FP8 runs ChannelWiseTorchFP8ScaledMM, INT8 CPUInt8ScaledMM, W4A16 CPUWNA16)."""
+    cpu.py; per-channel FP8 runs ChannelWiseTorchFP8ScaledMM, or on AMX our vllm_patches.cpu_fp8, INT8 CPUInt8ScaledMM,
+    W4A16 CPUWNA16)."""
     if fmt.name == "FP8 block-128" and "amx_tile" not in cpu_flags:
         return ("FP8 block-128 weights on a CPU stage need AMX (vLLM 0.26's CPU FP8 kernel, CPUFp8BlockScaledMMKernel: "
                 "Sapphire Rapids or newer), which this node's CPU lacks")

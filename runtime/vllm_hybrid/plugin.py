@@ -9,8 +9,10 @@ import os
 
 SUPPORTED_VLLM = "0.26.0"
 ENABLE_ENV = "HYBRID_PIPELINE"
-# opt-in for plain vLLM (the tests' single-process references): only the vector-ISA probe memory, no other patch
+# opt-ins for plain vLLM (the tests' single-process references): the vector-ISA probe memory; the CPU stages' FP8
+# per-channel kernel (vllm_patches.cpu_fp8), so a reference computes with the stages' GEMMs; no other patch
 VEC_ISA_ENV = "HYBRID_REMEMBER_VEC_ISA"
+CPU_FP8_ENV = "HYBRID_CPU_FP8_KERNEL"
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -33,6 +35,14 @@ def register() -> None:
             from .vllm_patches import APPLIED
             from .vllm_patches.cpu import remember_vec_isa_checks
             APPLIED.append(remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT))
+        if os.environ.get(CPU_FP8_ENV) == "1":
+            from vllm.platforms import current_platform
+            if current_platform.is_cpu():
+                from vllm.model_executor.kernels import linear as linear_kernels
+
+                from .vllm_patches import APPLIED
+                from .vllm_patches.cpu_fp8 import patch_cpu_fp8_channel_kernel
+                APPLIED.append(patch_cpu_fp8_channel_kernel(linear_kernels))
         return
     import vllm
 

@@ -215,7 +215,8 @@ def test_what_a_cpu_stage_cannot_compute_is_named():
     fmt = lambda q: weight_format({**LLAMA_8B, "quantization_config": q}, "bfloat16")  # noqa: E731
     assert "need AMX" in cpu_refusal(fmt(FP8_BLOCK), "bfloat16", {"avx512f", "avx512_bf16"})
     assert cpu_refusal(fmt(FP8_BLOCK), "bfloat16", {"avx512f", "amx_tile", "amx_bf16"}) is None
-    # per-channel FP8 runs vLLM's ChannelWiseTorchFP8ScaledMM on any CPU (test_quantized_pipeline.py serves it)
+    # per-channel FP8 runs on any CPU: vllm_patches.cpu_fp8 on AMX, vLLM's ChannelWiseTorchFP8ScaledMM elsewhere
+    # (test_quantized_pipeline.py serves it)
     fp8_channel = {**W8A8_CT, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
         "num_bits": 8, "type": "float", "strategy": "channel"}, "input_activations": {
         "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}

@@ -65,12 +65,15 @@ def apply_all() -> list[str]:
     if current_platform.is_cpu():
         import vllm.envs
         from vllm.compilation import decorators
+        from vllm.model_executor.kernels import linear as linear_kernels
         from vllm.model_executor.layers import vocab_parallel_embedding
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from vllm.v1.engine import utils as engine_utils
+
+        from .cpu_fp8 import patch_cpu_fp8_channel_kernel
         done += [remember_vec_isa_checks(vllm.envs.VLLM_CACHE_ROOT), patch_no_cpu_aot_load(decorators),
                  patch_cpu_masked_input(vocab_parallel_embedding), patch_cpu_engine_fork(engine_utils),
-                 patch_cpu_int4_moe_repack(cpu_moe)]
+                 patch_cpu_int4_moe_repack(cpu_moe), patch_cpu_fp8_channel_kernel(linear_kernels)]
         if os.environ.get("HYBRID_FORK_WORKER") == "1":
             done.append(patch_cpu_worker_fork(multiproc_executor))
         if os.environ.get("HYBRID_SYSTEM_MEMORY_CHECK") == "1":
