@@ -729,26 +729,12 @@ def test_the_share_computed_in_place_is_spread_through_each_layers_list():
     assert experts_client.spread([10, 11, 12], 0.0) == []
 
 
-def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
-    """W4A16 Mixtral at a 24 GiB budget, the pod keeping its stacks in Marlin's layout: at each pod step size the GPU
-    reads the share of the remote experts (over PCIe, in place) at which the later of it and the pod ends soonest on
-    average over the routings a step may take (a step waits for the later one each time), from the same figures as the
-    pod's step (measured on the node), in whole experts: a layer's 2 remote experts share none or one (client.spread
-    takes int(2 x share)). At one token the GPU's expert, routed a quarter of the time, would outlast the pod's step when
-    it is: none. The stage's env carries them unless the user set their own, and the step's cost is both together, no
-    shorter than DRAM gives their bytes. bf16 experts (nothing kept in Marlin's layout) get none."""
-    from vllm_hybrid import node
+def mixtral_w4a16_at_24gib():
+    """(plan, strategy, shape, split, layout) of W4A16 Mixtral under experts on a 24 GiB GPU budget of an H200 box
+    (its pod keeping the stacks in Marlin's layout, so the GPU may share in place)."""
     from vllm_hybrid.plan import plan_from_dict
     from vllm_hybrid.planner import model_shape
-    from vllm_hybrid.strategies import Workload, get
-    from vllm_hybrid.strategies.experts import (
-        in_place_shares,
-        in_place_split,
-        pod_rows,
-        remote_layers,
-        routed_remote_bytes,
-    )
-    from vllm_hybrid.strategies.experts.client import spread
+    from vllm_hybrid.strategies import get
     from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
     stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.1573, "memory": "143771Mi"},
               {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"}]
@@ -758,6 +744,30 @@ def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
     w4a16 = model_shape({**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128}, "bfloat16")
     split = split_layers(plan, w4a16, None, strategy)
     lay = strategy.layout(plan, split)
+    return plan, strategy, w4a16, split, lay
+
+
+def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
+    """W4A16 Mixtral at a 24 GiB budget, the pod keeping its stacks in Marlin's layout: at each pod step size the GPU
+    reads the share of the remote experts (over PCIe, in place) at which the later of it and the pod ends soonest on
+    average over the routings a step may take (a step waits for the later one each time), from the same figures as the
+    pod's step (measured on the node), in whole experts: a layer's 2 remote experts share none or one (client.spread
+    takes int(2 x share)). At one token the GPU's expert, routed a quarter of the time, would outlast the pod's step when
+    it is: none. The stage's env carries them unless the user set their own, and the step's cost is both together, no
+    shorter than DRAM gives their bytes. bf16 experts (nothing kept in Marlin's layout) get none."""
+    from vllm_hybrid import node
+    from vllm_hybrid.planner import model_shape
+    from vllm_hybrid.strategies import Workload
+    from vllm_hybrid.strategies.experts import (
+        in_place_shares,
+        in_place_split,
+        pod_rows,
+        remote_layers,
+        routed_remote_bytes,
+    )
+    from vllm_hybrid.strategies.experts.client import spread
+    from vllm_hybrid.tinymodel import MIXTRAL_8X7B
+    plan, strategy, w4a16, split, lay = mixtral_w4a16_at_24gib()
     measured = node.hardware(plan, {"dram_gbs": 83.9, "moe_call_s": 0.0, "moe_expert_gbs": 71.4,
                                     "moe_pair_s": 1.69318e-4, "copy_gbs": 55.05})
     rows = pod_rows(plan, split, lay, measured)
@@ -803,19 +813,8 @@ def test_the_gpus_share_follows_its_in_place_call_as_measured_at_start():
     pod's call 0.42 ms, an expert at 125.3 GB/s; DRAM 135): at pcie_gbs the GPU took one of each 2-expert layer's
     experts from 4 tokens, which an A/B there found 15% slower than the pod alone; at Marlin's in-place rate measured
     on an H200 (42.2 GB/s) it shares from 8, and at 30 GB/s from 32."""
-    from vllm_hybrid.plan import plan_from_dict
-    from vllm_hybrid.planner import model_shape
-    from vllm_hybrid.strategies import get
     from vllm_hybrid.strategies.experts import in_place_s, in_place_shares, in_place_split, pod_rows
-    from vllm_hybrid.tinymodel import MIXTRAL_8X7B, W4A16_GROUP128
-    stages = [{"name": "gpu", "device": "gpu", "gpu_memory_utilization": 0.1573, "memory": "143771Mi"},
-              {"name": "cpu", "device": "cpu", "cpus": 15, "memory": f"{128887 - 16384}Mi"}]
-    plan = plan_from_dict({"model": "/m", "dtype": "bfloat16", "max_model_len": 8192, "strategy": "experts",
-                           "max_num_seqs": 64, "block_size": 128, "stages": stages})
-    strategy = get("experts")
-    w4a16 = model_shape({**MIXTRAL_8X7B, "quantization_config": W4A16_GROUP128}, "bfloat16")
-    split = split_layers(plan, w4a16, None, strategy)
-    lay = strategy.layout(plan, split)
+    plan, strategy, w4a16, split, lay = mixtral_w4a16_at_24gib()
     live = {"dram_gbs": 135.0, "moe_call_s": 4.193e-4, "moe_expert_gbs": 125.3, "moe_pair_s": 9.9237e-05,
             "copy_gbs": 54.91}
 
