@@ -38,6 +38,7 @@ from cpu_kernels import dram_read_gbs  # noqa: E402
 from vllm_hybrid.cpubind import THP_ENV  # noqa: E402
 from vllm_hybrid.cpupod import hostmem  # noqa: E402
 from vllm_hybrid.strategies.experts import client as experts_client
+from vllm_hybrid.strategies.experts import in_place
 
 # HYBRID_BENCH_MODEL=qwen3-235b: its experts (4096 x 1536, top-8 of 128), 53 of a layer's remote (the 235B W4A16 run's
 # 41.5%); the kernel field w4a16 serves them in W4A16 (random words: the time does not depend on the values)
@@ -63,9 +64,7 @@ def busy_wait(seconds: float) -> None:
 def hold_w4a16(client) -> tuple[str, int]:
     """Every layer's remote experts in W4A16 (group 128) in the region, as the main stage's loader leaves them: the
     region's description and an expert's bytes."""
-    roles = {"w13": ((REMOTE, H // 8, 2 * INTER), torch.int32), "w2": ((REMOTE, INTER // 8, H), torch.int32),
-             "w13_scale": ((REMOTE, H // 128, 2 * INTER), torch.bfloat16),
-             "w2_scale": ((REMOTE, INTER // 128, H), torch.bfloat16)}
+    roles = {r: ((REMOTE, *shape), getattr(torch, dt)) for r, (shape, dt) in in_place.roles(H, INTER).items()}
     per_layer = sum(math.prod(shape) * dtype.itemsize + 4096 for shape, dtype in roles.values())
     expert_bytes = sum(math.prod(shape[1:]) * dtype.itemsize for shape, dtype in roles.values())
     described = client.open_weights(LAYERS * per_layer)
@@ -86,14 +85,8 @@ def hold_w4a16(client) -> tuple[str, int]:
 
 def keep_for_marlin(client) -> None:
     """Each layer's remote stacks kept for the main stage's Marlin MoE, as patches.py keeps a W4A16 layer's."""
-    import types
-
-    from compressed_tensors.quantization import QuantizationArgs
-    from vllm_hybrid.strategies.experts import quantized
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
-    layer = types.SimpleNamespace(intermediate_size_per_partition=INTER)  # what Marlin reads of the vLLM module
     for n, held in client.layers.items():
-        held.large = quantized.Marlin(layer, args, client.remote[n], E)
+        held.large = in_place.kept_marlin(INTER, client.remote[n], E)
 
 
 def layers_step(moe, x, ids, w, gap_cycles: int):

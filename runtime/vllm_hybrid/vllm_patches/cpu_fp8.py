@@ -46,12 +46,11 @@ class CPUFp8ChannelW8A16Kernel(ChannelWiseTorchFP8ScaledMMLinearKernel):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w, w_s, _, _ = self._get_layer_params(layer)
-        n = self.config.weight_shape[0]
+        n, k = self.config.weight_shape
         # the schemes leave B = weight as K x N (torch._scaled_mm's A @ B); the op takes N x K, packed for AMX
         replace_parameter(layer, self.layer_param_names[0], torch.ops._C.convert_weight_packed(w.t().contiguous()))
         scale = w_s.detach().float().reshape(-1)
         replace_parameter(layer, self.layer_param_names[1], scale.expand(n).reshape(1, n).contiguous())
-        k = self.config.weight_shape[1]
         # float32 (the op's), named: the loader's default dtype is the model's here
         layer.hybrid_fp8_blocks = torch.ones(-(-n // BLOCK[0]), -(-k // BLOCK[1]), dtype=torch.float32)
 

@@ -35,6 +35,18 @@ def roles(hidden: int, inter: int) -> dict[str, tuple[tuple[int, int], str]]:
             "w13_scale": ((hidden // GROUP, 2 * inter), "bfloat16"), "w2_scale": ((inter // GROUP, hidden), "bfloat16")}
 
 
+def kept_marlin(inter: int, remote: list[int], num_experts: int):
+    """quantized.Marlin for a kept W4A16 layer's stacks (symmetric int4, groups of GROUP), as patches.py keeps one:
+    the vLLM module it reads is only its intermediate size (Marlin's padding)."""
+    import types
+
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from .quantized import Marlin
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    return Marlin(types.SimpleNamespace(intermediate_size_per_partition=inter), args, remote, num_experts)
+
+
 def measure(spec: str | None, nbytes: int) -> dict[str, float]:
     """The fitted in-place call (in_place_call_s, in_place_gbs) on as many experts as `nbytes` holds (at least
     top_k; tokens routed among them at random, so a call's experts come from host memory, not the GPU's L2), and the
@@ -43,12 +55,8 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
     if (shape := shape_of(spec)) is None or not torch.cuda.is_available():
         return {}
     import mmap
-    import types
-
-    from compressed_tensors.quantization import QuantizationArgs
 
     from ...cpupod import memops
-    from .quantized import Marlin
     hidden, inter, experts, top_k = shape
     layout = {r: (s, getattr(torch, dt)) for r, (s, dt) in roles(hidden, inter).items()}
     expert_bytes = sum(math.prod(s) * dt.itemsize for s, dt in layout.values())
@@ -66,8 +74,7 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
             region[role].fill_(0.001)
         at += rooms[role]
     dev = torch.device("cuda")
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
-    marlin = Marlin(types.SimpleNamespace(intermediate_size_per_partition=inter), args, list(range(n)), experts)
+    marlin = kept_marlin(inter, list(range(n)), experts)
     if not marlin.lay_out(region, dev):
         return {}
     views = {role: memops.as_device(t) for role, t in region.items()}  # what InPlace reads: the region over PCIe
