@@ -45,6 +45,12 @@ def register(ptr: int, nbytes: int, mapped: bool = True) -> None:
     _check(int(rc), f"cudaHostRegister of {nbytes / 1e9:.2f} GB")
 
 
+def unregister(ptr: int) -> None:
+    """Undo register before the memory is unmapped: CUDA keeps the range pinned, and a later mapping at the same
+    addresses would fail to register (cudaErrorHostMemoryAlreadyRegistered)."""
+    _check(int(torch.cuda.cudart().cudaHostUnregister(ptr)), "cudaHostUnregister")
+
+
 def device_pointer(ptr: int) -> int:
     out = ctypes.c_uint64()
     _check(_driver().cuMemHostGetDevicePointer_v2(ctypes.byref(out), ptr, 0), "cuMemHostGetDevicePointer")

@@ -6,7 +6,7 @@ The model read the share at pcie_gbs (48.5, a streamed step's fitted rate) befor
 of a 235B layer's experts on an H200 (tests/gpu/results/h200-2026-12-02-experts-in-place.json) against the copy
 engine's 55.3; on one H100 box `auto` sized a 4-token share at the faster rate, and an A/B there cost it 15% of the
 step (bench/results, 2026-12-07c). A call is fitted as rates.CallCost: a fixed cost (the launches, the routing's
-sort) plus each distinct routed expert's bytes at in_place_gbs. Pure but for `measure`."""
+sort) plus each distinct routed expert's bytes at in_place_gbs. Pure but for `measure` and the calls it times."""
 from __future__ import annotations
 
 import math
@@ -65,18 +65,39 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
     buf = mmap.mmap(-1, sum(rooms.values()))  # page-aligned, as the region's shared memory is
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     memops.register(flat.data_ptr(), flat.numel(), mapped=True)  # as open_weights registers the region for a share
+    try:
+        points = _timed_calls(flat, rooms, layout, shape, n)
+    finally:  # the mapping goes with this call: a pinned range left behind fails the next one's register
+        torch.cuda.synchronize()
+        memops.unregister(flat.data_ptr())
+    if not points:
+        return {}
+    cost = fit(points, expert_bytes)
+    error = max(abs(cost.seconds(e, p, expert_bytes) / s - 1) for e, p, s in points)
+    return {"in_place_call_s": cost.call_s, "in_place_gbs": cost.expert_gbs, "in_place_pair_s": cost.pair_s,
+            "in_place_experts_held": float(n), "in_place_fit_error": round(error, 3),
+            "in_place_one_token_ms": round(points[0][2] * 1e3, 4)}
+
+
+def _timed_calls(flat, rooms: dict, layout: dict, shape: tuple[int, int, int, int], n: int) -> list[tuple]:
+    """(distinct experts, routed pairs, seconds) of Marlin's call at each of TOKENS on n experts laid out in `flat`
+    (registered and mapped); [] where Marlin cannot lay them out in place."""
+    import torch
+
+    from ...cpupod import memops
+    hidden, inter, experts, top_k = shape
     g, region, at = torch.Generator().manual_seed(0), {}, 0
-    for role, (s, dt) in layout.items():
-        region[role] = flat[at:at + n * math.prod(s) * dt.itemsize].view(dt).view(n, *s)
+    for role, (dims, dt) in layout.items():
+        region[role] = flat[at:at + n * math.prod(dims) * dt.itemsize].view(dt).view(n, *dims)
         if dt == torch.int32:  # one expert's random words in every one (the time does not depend on the values)
-            region[role].copy_(torch.randint(-2**31, 2**31 - 1, (1, *s), dtype=dt, generator=g).expand(n, *s))
+            region[role].copy_(torch.randint(-2**31, 2**31 - 1, (1, *dims), dtype=dt, generator=g).expand(n, *dims))
         else:
             region[role].fill_(0.001)
         at += rooms[role]
     dev = torch.device("cuda")
     marlin = kept_marlin(inter, list(range(n)), experts)
     if not marlin.lay_out(region, dev):
-        return {}
+        return []
     views = {role: memops.as_device(t) for role, t in region.items()}  # what InPlace reads: the region over PCIe
     start, end, points = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
     for tokens in TOKENS:
@@ -94,8 +115,4 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
         end.synchronize()
         distinct = sum(len(set(r.flatten().tolist())) for r in routes) / CALLS
         points.append((distinct, tokens * top_k, start.elapsed_time(end) / 1e3 / CALLS))
-    cost = fit(points, expert_bytes)
-    error = max(abs(cost.seconds(e, p, expert_bytes) / s - 1) for e, p, s in points)
-    return {"in_place_call_s": cost.call_s, "in_place_gbs": cost.expert_gbs, "in_place_pair_s": cost.pair_s,
-            "in_place_experts_held": float(n), "in_place_fit_error": round(error, 3),
-            "in_place_one_token_ms": round(points[0][2] * 1e3, 4)}
+    return points
