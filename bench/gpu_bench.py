@@ -458,11 +458,12 @@ def node_figures() -> dict:
     from vllm_hybrid import node
     from vllm_hybrid.planner import model_shape
     from vllm_hybrid.strategies.experts.rates import SPEC_ENV, spec_of
-    shape, cpus = model_shape(MODELS[MODEL]), cpu_tuning()["env"]["HYBRID_CPUS"]
+    shape, tuned = model_shape(MODELS[MODEL]), cpu_tuning()["env"]
     spec, products = spec_of(shape), node.products_of(shape)
     layer = node.layer_of(str(OUT / f"model-{MODEL}-shape"), "bfloat16", shape)  # main's model, once it has made it
     figures = {}
-    cpu = {**CPU_ENV, "HYBRID_CPUS": cpus, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu",
+    # the tuned kernel too (VLLM_CPU_SGL_KERNEL): the layer it times is the one the CPU stages then run
+    cpu = {**CPU_ENV, **tuned, "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu",
            **({SPEC_ENV: spec} if spec else {}), **({node.PRODUCTS_ENV: products} if products else {}),
            **({node.LAYER_ENV: layer} if layer else {})}
     gpu = {**GPU_ENV, **({SPEC_ENV: spec} if spec else {})}  # W4A16 experts: Marlin's call on them read in place

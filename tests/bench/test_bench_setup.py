@@ -79,6 +79,19 @@ def test_autos_picks_in_the_bench_use_what_its_stages_would_measure_here(monkeyp
     assert measured["auto@1"]["predicted_tok_s"] != default["auto@1"]["predicted_tok_s"]
 
 
+def test_the_plans_node_figures_are_timed_with_the_kernel_the_cpu_stages_run(monkeypatch):
+    """The cpu part of node_figures() runs in the CPU stages' tuned environment, kernel included (bench/cpu_kernels.py's
+    pick, as every configuration's CPU stage and a live auto's get it): its layer timing is what pipeline's stage runs."""
+    from vllm_hybrid import node
+    seen = {}
+    monkeypatch.setattr(gpu_bench, "MODEL", "mixtral-8x7b-w4a16")
+    monkeypatch.setattr(gpu_bench, "cpu_tuning", lambda: {"env": {"HYBRID_CPUS": "1-15", "VLLM_CPU_SGL_KERNEL": "0"}})
+    monkeypatch.setattr(node, "measured_part", lambda part, env: seen.setdefault(part, env) and {})
+    gpu_bench.node_figures()
+    assert seen["cpu"]["VLLM_CPU_SGL_KERNEL"] == "0" and seen["cpu"]["HYBRID_CPUS"] == "1-15"
+    assert seen["cpu"]["CUDA_VISIBLE_DEVICES"] == "" and "gpu" in seen
+
+
 def test_p_experts_rows_gives_an_explicit_experts_plan_what_auto_would_have_measured(monkeypatch):
     """p-experts-rows: the node's figures as the plan's `hardware`, so an explicit `strategy: experts` gets the pod's
     step limit auto would set (W4A16 Mixtral at 24 GiB on the 2026-11-29 H200 lease's figures: 32 tokens with the GPU's
