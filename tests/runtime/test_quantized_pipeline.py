@@ -8,6 +8,7 @@ refuses it first, by name (formats.cpu_refusal, test_formats.py)."""
 import json
 
 import pytest
+import torch
 from pipelines import CPU_ENVS, PROMPTS, plan_for, reference
 from vllm_hybrid.local import LocalPipeline, post_json
 from vllm_hybrid.tinymodel import QUANT_SCHEMES, QUANTIZABLE_TINY, make_tiny_llama, quantize_checkpoint
@@ -16,7 +17,9 @@ from vllm_hybrid.tinymodel import QUANT_SCHEMES, QUANTIZABLE_TINY, make_tiny_lla
 # logs a kernel's selection once, on global rank 0)
 SERVED = {"w4a16": "Using CPUWNA16LinearKernel for CompressedTensorsWNA16",
           "int8": "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8",
-          "fp8-dynamic": "Selected CPUFp8ChannelW8A16Kernel for CompressedTensorsW8A8Fp8"}  # ours: vllm_patches.cpu_fp8
+          # ours (vllm_patches.cpu_fp8) where AMX is; elsewhere it declines and vLLM's own torch._scaled_mm serves
+          "fp8-dynamic": "Selected CPUFp8ChannelW8A16Kernel for CompressedTensorsW8A8Fp8" if torch.cpu._is_amx_tile_supported()
+          else "Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8"}
 TOKENS = 24  # two prompts of 24 tokens: the time is the engine starts, three per format
 REFERENCE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                  # FP8 per-channel: the stages' kernel (vllm_patches.cpu_fp8), as the reference takes their other
