@@ -12,11 +12,29 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "runtime" / "vllm_patches"))
+if TYPE_CHECKING:
+    import torch
+
 SHAPES = [tuple(map(int, s.split(","))) for s in os.environ.get("HYBRID_BENCH_SHAPES", "4096,4096;14336,4096").split(";")]
 ROWS = [int(r) for r in os.environ.get("HYBRID_BENCH_ROWS", "1,4,16").split(",")]
 REF_SHAPE = tuple(map(int, os.environ.get("HYBRID_BENCH_REF_SHAPE", "1024,1024").split(",")))
+
+
+def fp8_layer(n: int, k: int, bias: bool, per_tensor: bool = False, seed: int = 0) -> "torch.nn.Module":
+    """A linear layer as compressed-tensors' W8A8Fp8 scheme leaves it after loading: weight K x N (a transposed view of
+    the stored N x K, torch._scaled_mm's B), scales per output channel (N x 1) or one."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Module()
+    w = (torch.randn(n, k, generator=g) * 0.3).to(torch.float8_e4m3fn)
+    layer.weight = torch.nn.Parameter(w.t(), requires_grad=False)
+    scale = torch.tensor([[0.02]]) if per_tensor else torch.rand(n, 1, generator=g) * 0.02 + 0.005
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.input_scale = None
+    layer.bias = torch.nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False) if bias else None
+    return layer
 
 
 def seconds(f, budget: float = 0.5) -> float:
@@ -30,7 +48,6 @@ def seconds(f, budget: float = 0.5) -> float:
 
 def main(out: str) -> None:
     import torch
-    from test_cpu_fp8 import fp8_layer  # the layer as compressed-tensors' scheme leaves it after loading
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.kernels import linear as linear_kernels
     from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel

