@@ -19,6 +19,8 @@ each share in HYBRID_BENCH_SHARES (default 0,0.2,0.3,0.4,0.5,0.6,0.7,0.8,1), the
 and for the path of steps above pod_rows (each layer's stacks copied in, Marlin on the GPU):
     HYBRID_BENCH_MODEL=qwen3-235b HYBRID_BENCH_TOKENS=1,2,4,8 HYBRID_BENCH_GAP_MS=0.08 python bench/experts_serving.py
     OUT.json spin:w4a16:shmem:cuda
+The share gathered into GPU memory first (HYBRID_EXPERTS_SHARE_READ=gather, gather.rows), beside it: variant
+spin:w4a16:shmem:cuda:gather.
 """
 import json
 import math
@@ -189,7 +191,7 @@ def share_sweep(client, expert_bytes: int, remote: list[int]) -> dict:
 
 def run(variant: str, cpus: list[int]) -> dict:
     policy, kernel, pages, *where = variant.split(":")
-    device = where[0] if where else "cpu"
+    device, read = (where + ["cpu", "in_place"][len(where):])[:2]  # read: HYBRID_EXPERTS_SHARE_READ (cuda only)
     sock = os.path.join(tempfile.mkdtemp(), "s.experts")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(POLICY[policy], OMP_NUM_THREADS=str(len(cpus)), GOMP_CPU_AFFINITY=" ".join(map(str, cpus)),
@@ -206,7 +208,7 @@ def run(variant: str, cpus: list[int]) -> dict:
         if device == "cuda":  # the region page-locked and mapped (InPlace reads it); the pod keeps its own copy
             if kernel != "w4a16":
                 raise ValueError(f"{variant}: the GPU's in-place share is W4A16's (kernel field w4a16)")
-            client.keep, client.uva_shares = True, [(64, 1.0)]
+            client.keep, client.uva_shares, client.share_read = True, [(64, 1.0)], read
         client.connect(sock, timeout=120)
         shapes = (2 * INTER, H), (H, INTER)
         if kernel == "w4a16":

@@ -1,6 +1,6 @@
 """GPU machine: a kept W4A16 layer's share of remote experts computed in place (client.InPlace): Marlin reads the
 stacks over PCIe from a mapped view of the host region, as the main stage does at the pod's steps with
-HYBRID_EXPERTS_UVA_SHARE. On random int4 stacks of a Qwen3-235B-A22B layer's shape (54 of 128 experts remote), laid
+HYBRID_EXPERTS_UVA_SHARE, or gathered into GPU memory first (HYBRID_EXPERTS_SHARE_READ=gather). On random int4 stacks of a Qwen3-235B-A22B layer's shape (54 of 128 experts remote), laid
 out once (Marlin.lay_out); the results equal Marlin on a GPU copy of the same bytes, and the figures (GB/s of the
 routed experts' bytes read in place at 1 and 4 tokens, the copy engine's GB/s for the whole stacks) go to
 gpu_results.json. Run in vLLM's CUDA build (HYBRID_GPU_PYTHONPATH), in a child process."""
@@ -10,7 +10,7 @@ from gpu_results import record, run_child
 pytestmark = pytest.mark.gpu
 
 CHILD = r"""
-import json, sys, time, types
+import itertools, json, sys, time, types
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 from vllm_hybrid.cpupod import memops
@@ -49,7 +49,8 @@ def ms(f, n=20):
     return (time.perf_counter() - t0) / n * 1e3
 
 out = {"laid_out": laid, "expert_mb": expert_bytes / 1e6, "remote": remote_n}
-for share in (1.0, 0.5):
+for read, share in itertools.product(("in_place", "gather"), (1.0, 0.5)):
+    client.share_read = read  # HYBRID_EXPERTS_SHARE_READ
     assert client.share_in_place(share) == 1
     (_, ip), = held.in_place
     emap = torch.full((experts,), -1, dtype=torch.int32)
@@ -65,12 +66,32 @@ for share in (1.0, 0.5):
         want = held.large(x, ids, weights, staged, expert_map=emap)
         read = len(set(ids.flatten().tolist())) * expert_bytes
         t = ms(lambda: ip.compute(x, ids, weights))
-        key = f"share_{share}_tokens_{tokens}"
+        key = f"{read}_share_{share}_tokens_{tokens}"
         rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
         out[key] = {"equal": bool(torch.equal(got, want)), "rel_diff": rel, "ms": t, "experts_read": read // expert_bytes,
                     "gbs_in_place": read / t / 1e6, "ms_on_gpu_copy": ms(lambda: held.large(x, ids, weights, staged,
                                                                                            expert_map=emap)),
                     "pod_ids_skip_shared": bool((ip.for_pod(ids) == experts).all())}
+# the gathered share in a CUDA graph, as a decode step captures it: replayed on other routings, it equals eager
+client.share_read = "gather"
+client.share_in_place(0.5)
+(_, ip), = held.in_place
+pool, replays = torch.tensor(ip.ids + remote[:4], device=dev), []
+x = torch.randn(4, hidden, device=dev).bfloat16()
+weights = torch.softmax(torch.randn(4, top_k, device=dev), dim=-1)
+route = lambda: torch.stack([pool[torch.randperm(len(pool), device=dev)[:top_k]] for _ in range(4)]).to(torch.int32)
+ids = route()
+ip.compute(x, ids, weights)  # Triton's compile and Marlin's workspace outside the capture
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    captured = ip.compute(x, ids, weights)
+for _ in range(3):
+    ids.copy_(route())
+    graph.replay()
+    want = held.large(x, ids, weights, staged, expert_map=held.large.map_of(ip.ids).to(dev))
+    replays.append(((captured.float() - want.float()).norm() / want.float().norm()).item())
+out["gather_graph_rel_diffs"] = replays
 copy = ms(lambda: [s.copy_(r, non_blocking=True) for s, r in zip(staged.values(), region.values())])
 out["copy_gbs_whole_stacks"] = remote_n * expert_bytes / copy / 1e6
 print(json.dumps(out))
@@ -82,10 +103,12 @@ def test_marlin_reads_a_shared_layer_in_place_and_equals_it_on_a_gpu_copy():
     figures = run_child(CHILD, shape, VLLM_USE_FLASHINFER_SAMPLER="0")
     record({"experts_in_place": figures})
     assert figures["laid_out"], figures
-    cases = [v for k, v in figures.items() if k.startswith("share_")]
+    cases = [v for k, v in figures.items() if "_share_" in k]
     # the same kernel on the same bytes (Marlin may split a product's inputs over blocks and add them atomically:
-    # the order of those bf16 adds is free, so equal to rounding, not always bit for bit)
-    assert len(cases) == 4 and all(c["rel_diff"] < 5e-3 and c["pod_ids_skip_shared"] for c in cases), figures
+    # the order of those bf16 adds is free, so equal to rounding, not always bit for bit); read in place or gathered
+    # into GPU memory first (HYBRID_EXPERTS_SHARE_READ=gather), also when replayed from a CUDA graph
+    assert len(cases) == 8 and all(c["rel_diff"] < 5e-3 and c["pod_ids_skip_shared"] for c in cases), figures
+    assert len(figures["gather_graph_rel_diffs"]) == 3 and max(figures["gather_graph_rel_diffs"]) < 5e-3, figures
     # read over PCIe: slower than the GPU's own memory, but a read at all (not a copy of the layer a step)
     assert all(0 < c["ms_on_gpu_copy"] < c["ms"] for c in cases), figures
 

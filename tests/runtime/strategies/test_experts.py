@@ -41,6 +41,7 @@ from vllm_hybrid.planner import split_layers
 from vllm_hybrid.stage_metrics import scrape_text
 from vllm_hybrid.strategies import Hardware, resolve
 from vllm_hybrid.strategies.experts import client as experts_client
+from vllm_hybrid.strategies.experts import gather as experts_gather
 from vllm_hybrid.strategies.experts import io as experts_io
 from vllm_hybrid.strategies.experts import kernels as experts_kernels
 
@@ -727,6 +728,57 @@ def test_the_share_computed_in_place_is_spread_through_each_layers_list():
     assert experts_client.spread([10, 11, 12, 13], 0.25) == [13]
     assert experts_client.spread([10, 11, 12], 1.0) == [10, 11, 12]
     assert experts_client.spread([10, 11, 12], 0.0) == []
+
+
+def test_the_gather_brings_the_picked_rows_and_leaves_empty_slots_alone():
+    src = torch.arange(5 * 6, dtype=torch.int32).view(5, 3, 2)
+    dst = torch.full((4, 3, 2), -7, dtype=torch.int32)
+    experts_gather.rows(src, dst, torch.tensor([3, -1, 0]))
+    assert torch.equal(dst[0], src[3]) and torch.equal(dst[2], src[0])
+    assert (dst[1] == -7).all() and (dst[3] == -7).all()  # an empty slot, and a slot past the picks
+    halves = torch.randn(5, 4, 8).bfloat16()  # scales: 2-byte values, moved as 4-byte words
+    into = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
+    experts_gather.rows(halves, into, torch.tensor([4, 1]))
+    assert torch.equal(into, halves[[4, 1]])
+    with pytest.raises(ValueError, match="gather"):
+        experts_gather.rows(src, torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 1]))
+
+
+def test_a_gathered_share_hands_marlin_only_its_routed_experts_under_a_map_of_its_slots():
+    """SHARE_READ_ENV=gather: a step's routed shared experts are brought into the GPU buffer's slots (one per shared
+    expert, in the share's order) and Marlin gets those slots with a map global id -> slot; the unrouted shared
+    experts' slots are not read in, the pod's own experts and the main stage's map to -1."""
+    remote, shared, num_experts = [1, 3, 4, 6, 7], [3, 6, 7], 8
+    region = {"w13": torch.arange(5 * 12, dtype=torch.int32).view(5, 3, 4),
+              "w13_scale": torch.randn(5, 2, 4).bfloat16()}
+    seen = []
+
+    class Large:  # Marlin's seat: what it would read
+        laid_out = {role: t.shape for role, t in region.items()}
+
+        def __call__(self, x, ids, weights, tensors, expert_map):
+            seen.append(({r: t.clone() for r, t in tensors.items()}, expert_map.clone()))
+            return x
+
+    client = experts_client.Client({0: remote})
+    held = experts_client.Held(remote, tuple(region.values()), fmt="w4a16", tensors=region, nearby=True,
+                               num_experts=num_experts, large=Large())
+    compute = client.gathered_share(held, shared, region)
+    assert client.gathered.numel() == sum(t[:3].nbytes for t in region.values())
+    client.gathered.zero_()
+    x = torch.randn(2, 4)
+    compute(x, torch.tensor([[6, 0], [1, 7]]), torch.ones(2, 2))  # 6 and 7 shared and routed; 3 shared, not routed
+    tensors, emap = seen[-1]
+    assert emap.tolist() == [-1, -1, -1, 0, -1, -1, 1, 2]
+    for role, t in tensors.items():
+        assert t.shape == (3, *region[role].shape[1:])
+        assert torch.equal(t[1], region[role][remote.index(6)]) and torch.equal(t[2], region[role][remote.index(7)])
+        assert not t[0].view(torch.uint8).any()  # expert 3's slot: not routed, not read in
+    compute(x, torch.tensor([[3, 3], [3, 3]]), torch.ones(2, 2))
+    assert torch.equal(seen[-1][0]["w13"][0], region["w13"][remote.index(3)])
+    with pytest.raises(ValueError, match=experts_io.SHARE_READ_ENV):
+        experts_client.CLIENT = None
+        experts_client.client_from_env("cpu", {experts_io.SHARE_READ_ENV: "copy"})
 
 
 def mixtral_w4a16_at_24gib():

@@ -18,7 +18,7 @@ import torch
 from ...cpupod import hostmem
 from ...cpupod.packed import unpack
 from ...cpupod.server import RegionClient, closed
-from . import quantized
+from . import gather, quantized
 from .io import (
     BYTES_ENV,
     COUNTS_ENV,
@@ -31,6 +31,8 @@ from .io import (
     MAX_ROWS_ENV,
     REMOTE_ENV,
     REQ,
+    SHARE_READ_ENV,
+    SHARE_READS,
     SOCKET_ENV,
     UVA_SHARE_ENV,
     IoLayout,
@@ -263,6 +265,8 @@ class Client(RegionClient):
         self.keep = False  # the plan leaves the CPU pod room to keep W4A16 stacks for large steps here (KEEP_ENV)
         self.uva_shares: list[tuple[int, float]] = []  # UVA_SHARE_ENV, parsed
         self.dev_flat: torch.Tensor | None = None  # the region as the GPU reads it in place (mapped: InPlace)
+        self.share_read = "in_place"  # SHARE_READ_ENV
+        self.gathered: torch.Tensor | None = None  # gather's GPU buffer: one, every layer's share in turn (one stream)
         self.layers: dict[int, Held] = {}
         self.local: dict[int, Callable] = {}  # layer -> its main-stage experts: f(x, topk_weights, topk_ids)
         self.side: CpuSide | GpuSide | None = None
@@ -388,6 +392,8 @@ class Client(RegionClient):
             base = self.flat.data_ptr()
             views = {role: self.dev_flat[t.data_ptr() - base:][:t.nbytes].view(t.dtype).view(held.large.laid_out[role])
                      for role, t in held.tensors.items()}
+            if self.share_read == "gather":
+                return InPlace(ids, skips, self.gathered_share(held, ids, views), absent)
             large, emap = held.large, held.large.map_of(ids).to(self.device)
             return InPlace(ids, skips, lambda x, i, w: large(x, i, w, views, expert_map=emap), absent)
         if held.fmt is not None and not held.nearby:
@@ -398,6 +404,33 @@ class Client(RegionClient):
             plain = held.plain(x.device)
             return compute(x, topk_ids, topk_weights, [plain[i] for i in picked], ids)
         return InPlace(ids, skips, compute_here, absent)
+
+    def gathered_share(self, held: Held, ids: list[int], views: dict[str, torch.Tensor]) -> Callable:
+        """InPlace's compute with SHARE_READ_ENV=gather: a step's routed experts of `ids` gathered from the mapped
+        region (views) into one slot each of a GPU buffer, then Marlin reads them there. Fixed shapes: captured."""
+        dev, n = torch.device(self.device), len(ids)
+        shapes = {role: (n, *shape[1:]) for role, shape in held.large.laid_out.items()}
+        sizes = {role: views[role][:n].nbytes for role in shapes}
+        if self.gathered is None or self.gathered.numel() < sum(sizes.values()):
+            self.gathered = torch.empty(sum(sizes.values()), dtype=torch.uint8, device=dev)
+        buf, at, slots = self.gathered, 0, {}
+        for role, shape in shapes.items():  # views of the shared buffer, the region's dtypes in Marlin's shapes
+            slots[role] = buf[at:at + sizes[role]].view(views[role].dtype).view(shape)
+            at += sizes[role]
+        gids = torch.tensor(ids, device=dev)
+        rows = torch.tensor([held.ids.index(e) for e in ids], dtype=torch.int32, device=dev)  # in the region's stacks
+        emap = torch.full((held.num_experts,), -1, dtype=torch.int32)
+        emap[ids] = torch.arange(n, dtype=torch.int32)
+        emap, large = emap.to(dev), held.large
+
+        def compute(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+            routed = torch.zeros(held.num_experts, dtype=torch.bool, device=dev)
+            routed[topk_ids.flatten().long()] = True
+            pick = torch.where(routed[gids], rows, -1)  # a slot per shared expert; the unrouted ones stay empty
+            for role, slot in slots.items():
+                gather.rows(views[role], slot, pick)
+            return large(x, topk_ids, topk_weights, slots, expert_map=emap)
+        return compute
 
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A large step's remote experts, computed by the main stage from the region. On CUDA they are copied in for
@@ -497,6 +530,9 @@ def client_from_env(device: str, env=os.environ) -> Client:
         client = Client(parse_placement(env.get(REMOTE_ENV, "")), int(env.get(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)), device)
         client.keep = env.get(KEEP_ENV) == "1"
         client.uva_shares = parse_shares(env.get(UVA_SHARE_ENV, ""))
+        client.share_read = env.get(SHARE_READ_ENV) or "in_place"
+        if client.share_read not in SHARE_READS:
+            raise ValueError(f"{SHARE_READ_ENV}={client.share_read!r}: one of {', '.join(SHARE_READS)}")
         client.counts = RoutingCounts(env.get(COUNTS_ENV) or None, float(env.get(COUNTS_EVERY_ENV, 60)))
         client.connect(env[SOCKET_ENV])
         CLIENT = client

@@ -40,6 +40,10 @@ KEEP_ENV = "HYBRID_EXPERTS_KEEP"
 # of each kept layer's remote experts, the share the main stage's GPU computes at the pod's steps, reading their stacks
 # in place over PCIe (Marlin on a mapped view of the region) while the pod computes the rest: the two read DRAM at once
 UVA_SHARE_ENV = "HYBRID_EXPERTS_UVA_SHARE"
+# how the GPU reads its share on CUDA: in_place (Marlin over the mapped region) or gather (the routed ones brought into
+# GPU memory first by one wide read each: gather.rows); an A/B for now, the cost model prices in_place
+SHARE_READ_ENV = "HYBRID_EXPERTS_SHARE_READ"
+SHARE_READS = ("in_place", "gather")
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
 SERVED_FORMATS = ("FP8 block-128, W8A8 INT8, symmetric compressed-tensors W4A16, GPTQ without act-order, AWQ or "
                   "gpt-oss's MXFP4")

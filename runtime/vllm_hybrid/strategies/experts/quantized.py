@@ -234,7 +234,8 @@ class Marlin:
             self.expert_map = self.expert_map.to(x.device)
             self.workspace = marlin_make_workspace_new(x.device, 4)
         if self.laid_out is not None:  # the staged copy of lay_out's bytes: views in Marlin's shapes
-            m = {role: tensors[role].view(shape) for role, shape in self.laid_out.items()}
+            # (the experts first: a gathered share's buffer holds fewer than the region's stacks)
+            m = {role: tensors[role].view(-1, *shape[1:]) for role, shape in self.laid_out.items()}
         else:
             m = self.repack(tensors)
         no_order = torch.empty((m["w13"].shape[0], 0), dtype=torch.int32, device=x.device)
