@@ -5,7 +5,8 @@ Per expert count k (distinct experts, picked at random from as many as HYBRID_BE
 host memory): ms a call and GB/s of expert bytes for
   copy      the copy engine: one cudaMemcpyAsync an expert (host-side ids: not capturable with routing on the GPU)
   select    torch.index_select over the mapped region (a kernel reading PCIe in place; ids on the GPU, capturable)
-  triton    a gather kernel that skips empty slots (-1), as a captured step's fixed slots would need
+  triton    gather.rows, the share's gather (HYBRID_EXPERTS_SHARE_READ=gather): a Triton kernel that skips empty
+            slots (-1), as a captured step's fixed slots need
 An expert is one contiguous blob of its W4A16 bytes (in_place.roles: the region keeps each role in a stack of its
 own, so an expert there is 4 such blobs). On the GPU box, in vLLM's CUDA environment:
     python bench/uva_gather.py OUT.json   (HYBRID_BENCH_MODEL=qwen3-235b|mixtral, HYBRID_BENCH_EXPERTS=1,2,4,8)
@@ -18,7 +19,7 @@ import sys
 
 import torch
 from vllm_hybrid.cpupod import memops
-from vllm_hybrid.strategies.experts import in_place
+from vllm_hybrid.strategies.experts import gather, in_place
 
 SHAPES = {"qwen3-235b": (4096, 1536, 128, 8), "mixtral": (4096, 14336, 8, 2)}  # hidden, intermediate, experts, top-k
 MODEL = os.environ.get("HYBRID_BENCH_MODEL", "qwen3-235b")
@@ -29,28 +30,6 @@ CALLS = 20
 
 def expert_bytes(hidden: int, inter: int) -> int:
     return sum(math.prod(s) * getattr(torch, dt).itemsize for s, dt in in_place.roles(hidden, inter).values())
-
-
-def triton_gather():
-    """dst[slot] = src[ids[slot]] for ids >= 0, in 16-byte words; None where Triton is missing."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def gather(src, dst, ids, words, BLOCK: tl.constexpr):
-        slot, chunk = tl.program_id(0), tl.program_id(1)
-        e = tl.load(ids + slot).to(tl.int64)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        mask = (offs < words) & (e >= 0)  # an empty slot reads nothing
-        tl.store(dst + slot.to(tl.int64) * words + offs, tl.load(src + e * words + offs, mask=mask), mask=mask)
-
-    def run(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
-        words, block = src.shape[1], 4096
-        gather[(ids.numel(), triton.cdiv(words, block))](src, dst, ids, words, BLOCK=block)
-    return run
 
 
 def timed(fn, calls: list) -> float:
@@ -79,7 +58,6 @@ def main(out: str) -> None:
     try:
         words = host.view(torch.int64).view(n, size // 8)  # index_select moves 8-byte elements
         mapped = memops.as_device(words)
-        gather = triton_gather()
         dst = torch.empty(2 * max(EXPERTS), size // 8, dtype=torch.int64, device="cuda")
         g = torch.Generator().manual_seed(0)
         for k in EXPERTS:
@@ -90,10 +68,10 @@ def main(out: str) -> None:
                 "copy": (lambda i: [dst[j].copy_(words[e], non_blocking=True) for j, e in enumerate(picks[i].tolist())]),
                 "select": (lambda i: torch.index_select(mapped, 0, on_gpu[i], out=dst[:k])),
             }
-            if gather:
-                methods["triton"] = lambda i: gather(mapped, dst, on_gpu[i])
+            if gather._kernel() is not None:
+                methods["triton"] = lambda i: gather.rows(mapped, dst, on_gpu[i])
                 # half the fixed slots empty, as a captured step's are: the empty ones must cost nothing
-                methods["triton_half_empty"] = lambda i: gather(mapped, dst, half[i])
+                methods["triton_half_empty"] = lambda i: gather.rows(mapped, dst, half[i])
             row = {"experts": k}
             for name, fn in methods.items():
                 try:
