@@ -49,8 +49,8 @@ def ms(f, n=20):
     return (time.perf_counter() - t0) / n * 1e3
 
 out = {"laid_out": laid, "expert_mb": expert_bytes / 1e6, "remote": remote_n}
-for read, share in itertools.product(("in_place", "gather"), (1.0, 0.5)):
-    client.share_read = read  # HYBRID_EXPERTS_SHARE_READ
+for path, share in itertools.product(("in_place", "gather"), (1.0, 0.5)):
+    client.share_read = path  # HYBRID_EXPERTS_SHARE_READ
     assert client.share_in_place(share) == 1
     (_, ip), = held.in_place
     emap = torch.full((experts,), -1, dtype=torch.int32)
@@ -66,7 +66,7 @@ for read, share in itertools.product(("in_place", "gather"), (1.0, 0.5)):
         want = held.large(x, ids, weights, staged, expert_map=emap)
         read = len(set(ids.flatten().tolist())) * expert_bytes
         t = ms(lambda: ip.compute(x, ids, weights))
-        key = f"{read}_share_{share}_tokens_{tokens}"
+        key = f"{path}_share_{share}_tokens_{tokens}"
         rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
         out[key] = {"equal": bool(torch.equal(got, want)), "rel_diff": rel, "ms": t, "experts_read": read // expert_bytes,
                     "gbs_in_place": read / t / 1e6, "ms_on_gpu_copy": ms(lambda: held.large(x, ids, weights, staged,
