@@ -12,7 +12,6 @@ own, so an expert there is 4 such blobs). On the GPU box, in vLLM's CUDA environ
     python bench/uva_gather.py OUT.json   (HYBRID_BENCH_MODEL=qwen3-235b|mixtral, HYBRID_BENCH_EXPERTS=1,2,4,8)
 """
 import json
-import math
 import mmap
 import os
 import sys
@@ -26,10 +25,6 @@ MODEL = os.environ.get("HYBRID_BENCH_MODEL", "qwen3-235b")
 EXPERTS = [int(k) for k in os.environ.get("HYBRID_BENCH_EXPERTS", "1,2,4,8").split(",")]
 HELD_GB = float(os.environ.get("HYBRID_BENCH_HELD_GB", "4"))
 CALLS = 20
-
-
-def expert_bytes(hidden: int, inter: int) -> int:
-    return sum(math.prod(s) * getattr(torch, dt).itemsize for s, dt in in_place.roles(hidden, inter).values())
 
 
 def timed(fn, calls: list) -> float:
@@ -47,7 +42,7 @@ def timed(fn, calls: list) -> float:
 
 def main(out: str) -> None:
     hidden, inter, num_experts, top_k = SHAPES[MODEL]
-    size = -(-expert_bytes(hidden, inter) // 16) * 16
+    size = -(-in_place.expert_bytes(hidden, inter) // 16) * 16
     n = max(max(EXPERTS) * 2, int(HELD_GB * 1e9) // size)
     buf = mmap.mmap(-1, n * size)  # page-aligned, as the region's shared memory is
     host = torch.frombuffer(buf, dtype=torch.uint8).view(n, size)

@@ -776,8 +776,8 @@ def test_a_gathered_share_hands_marlin_only_its_routed_experts_under_a_map_of_it
         assert not t[0].view(torch.uint8).any()  # expert 3's slot: not routed, not read in
     compute(x, torch.tensor([[3, 3], [3, 3]]), torch.ones(2, 2))
     assert torch.equal(seen[-1][0]["w13"][0], region["w13"][remote.index(3)])
+    experts_client.CLIENT = None
     with pytest.raises(ValueError, match=experts_io.SHARE_READ_ENV):
-        experts_client.CLIENT = None
         experts_client.client_from_env("cpu", {experts_io.SHARE_READ_ENV: "copy"})
 
 

@@ -370,6 +370,12 @@ class Client(RegionClient):
         share."""
         shares = self.uva_shares if shares is None else shares
         shares = [(self.max_rows, shares)] if isinstance(shares, float | int) else shares
+        if self.device == "cuda" and self.share_read == "gather":  # one buffer, as large as the largest share's
+            # (grown layer by layer instead, the earlier layers' slots would hold each smaller buffer alive)
+            need = max((len(spread(h.ids, share)) * sum(t[0].nbytes for t in h.tensors.values())
+                        for h in self.layers.values() if h.large is not None and h.large.laid_out is not None
+                        for _, share in shares), default=0)
+            self.gathered = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None
         done = 0
         for held in self.layers.values():
             held.in_place = []
@@ -411,7 +417,7 @@ class Client(RegionClient):
         dev, n = torch.device(self.device), len(ids)
         shapes = {role: (n, *shape[1:]) for role, shape in held.large.laid_out.items()}
         sizes = {role: views[role][:n].nbytes for role in shapes}
-        if self.gathered is None or self.gathered.numel() < sum(sizes.values()):
+        if self.gathered is None or self.gathered.numel() < sum(sizes.values()):  # share_in_place sized it, else
             self.gathered = torch.empty(sum(sizes.values()), dtype=torch.uint8, device=dev)
         buf, at, slots = self.gathered, 0, {}
         for role, shape in shapes.items():  # views of the shared buffer, the region's dtypes in Marlin's shapes

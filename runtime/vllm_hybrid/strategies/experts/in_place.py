@@ -35,6 +35,12 @@ def roles(hidden: int, inter: int) -> dict[str, tuple[tuple[int, int], str]]:
             "w13_scale": ((hidden // GROUP, 2 * inter), "bfloat16"), "w2_scale": ((inter // GROUP, hidden), "bfloat16")}
 
 
+def expert_bytes(hidden: int, inter: int) -> int:
+    """One kept W4A16 expert's bytes over its roles."""
+    import torch
+    return sum(math.prod(s) * getattr(torch, dt).itemsize for s, dt in roles(hidden, inter).values())
+
+
 def kept_marlin(inter: int, remote: list[int], num_experts: int):
     """quantized.Marlin for a kept W4A16 layer's stacks (symmetric int4, groups of GROUP), as patches.py keeps one:
     the vLLM module it reads is only its intermediate size (Marlin's padding)."""
@@ -59,8 +65,8 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
     from ...cpupod import memops
     hidden, inter, experts, top_k = shape
     layout = {r: (s, getattr(torch, dt)) for r, (s, dt) in roles(hidden, inter).items()}
-    expert_bytes = sum(math.prod(s) * dt.itemsize for s, dt in layout.values())
-    n = max(top_k, min(experts, nbytes // expert_bytes))
+    one = expert_bytes(hidden, inter)
+    n = max(top_k, min(experts, nbytes // one))
     rooms = {r: -(-n * math.prod(s) * dt.itemsize // 4096) * 4096 for r, (s, dt) in layout.items()}
     buf = mmap.mmap(-1, sum(rooms.values()))  # page-aligned, as the region's shared memory is
     flat = torch.frombuffer(buf, dtype=torch.uint8)
@@ -72,8 +78,8 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
         memops.unregister(flat.data_ptr())
     if not points:
         return {}
-    cost = fit(points, expert_bytes)
-    error = max(abs(cost.seconds(e, p, expert_bytes) / s - 1) for e, p, s in points)
+    cost = fit(points, one)
+    error = max(abs(cost.seconds(e, p, one) / s - 1) for e, p, s in points)
     return {"in_place_call_s": cost.call_s, "in_place_gbs": cost.expert_gbs, "in_place_pair_s": cost.pair_s,
             "in_place_experts_held": float(n), "in_place_fit_error": round(error, 3),
             "in_place_one_token_ms": round(points[0][2] * 1e3, 4)}
