@@ -431,8 +431,10 @@ class Client(RegionClient):
 
         def compute(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
             routed = torch.zeros(held.num_experts, dtype=torch.bool, device=dev)
-            routed[topk_ids.flatten().long()] = True
-            pick = torch.where(routed[gids], rows, -1)  # a slot per shared expert; the unrouted ones stay empty
+            # index_fill_/masked_fill take the value as a scalar: `routed[ids] = True` copies a CPU tensor, which a
+            # CUDA graph's capture refuses
+            routed.index_fill_(0, topk_ids.flatten().long(), True)
+            pick = rows.masked_fill(~routed[gids], -1)  # a slot per shared expert; the unrouted ones stay empty
             for role, slot in slots.items():
                 gather.rows(views[role], slot, pick)
             return large(x, topk_ids, topk_weights, slots, expert_map=emap)
