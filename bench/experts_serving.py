@@ -247,7 +247,7 @@ def run(variant: str, cpus: list[int]) -> dict:
             out[str(t)] = {"ms_per_layer_step": round(total / STEPS / LAYERS * 1e3, 3),
                            "median_step_ms": round(statistics.median(times) * 1e3, 2),
                            "gbs": round(read / total / 1e9, 1), "gb_read": round(read / STEPS / 1e9, 3)}
-        client.sock.close()
+        client.close()  # unpins the regions: the next variant's may map at the same addresses
         proc.wait(60)
     finally:
         proc.kill()

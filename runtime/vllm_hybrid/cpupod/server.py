@@ -147,7 +147,7 @@ class RegionClient:
     server = "the server"  # what errors call it ("strategy coprocessor: the product server")
 
     def __init__(self):
-        self.used = 0
+        self.used, self.locked = 0, []  # locked: data pointers this client page-locked (close unpins them)
 
     def connect(self, path: str, timeout: float = 900.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -177,9 +177,24 @@ class RegionClient:
         reply, self.wmap, self.wbytes = self._ask_region({"weights_bytes": nbytes})
         self.flat = torch.frombuffer(self.wmap, dtype=torch.uint8)
         if page_lock:
-            from . import memops
-            memops.register(self.flat.data_ptr(), self.wbytes, mapped=mapped)
+            self.page_lock(self.flat, self.wbytes, mapped)
         return reply["describe"]
+
+    def page_lock(self, t: torch.Tensor, nbytes: int, mapped: bool = True) -> None:
+        from . import memops
+        memops.register(t.data_ptr(), nbytes, mapped=mapped)
+        self.locked.append(t.data_ptr())
+
+    def close(self) -> None:
+        """Unpin what this client page-locked, then hang up (the server stops at its next idle check). CUDA keeps a
+        range pinned past its unmapping: another client in this process, its region mapped at the same addresses,
+        would fail to register it (cudaErrorHostMemoryAlreadyRegistered)."""
+        if self.locked:
+            from . import memops
+            while self.locked:
+                memops.unregister(self.locked.pop())
+        if (sock := getattr(self, "sock", None)) is not None:
+            sock.close()
 
     def room(self, like: torch.Tensor) -> torch.Tensor | None:
         """Room in the weights region for a tensor like `like` (4 KiB aligned); None when it is full."""

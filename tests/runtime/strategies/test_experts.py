@@ -280,7 +280,7 @@ def test_server_computes_the_remote_experts_of_every_layer(tmp_path, dtype, choi
         assert 0 < got["experts_kernel_seconds"] < got["experts_busy_seconds"]  # the kernel's, within the busy ones
         measured = {m.group(1): float(m.group(2)) for m in re.finditer(
             r'^hybrid_stage_measured{[^}]*figure="([^"]+)"[^}]*} (\S+)$', _scrape(port), re.M)}
-        client.sock.close()  # the main stage went: the server stops at its next idle check
+        client.close()  # the main stage went: the server stops at its next idle check
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()

@@ -190,7 +190,6 @@ class Client(RegionClient):
         """Tell the CPU pod where each product's weight is; map the io region it returns; split by what both ends
         measured (the CPU pod's rates come with the reply), then tune that split on passes timed with the copy
         `depth` layers ahead (tune.py). Its thread count."""
-        from ...cpupod import memops
         dtype, is_int8 = self.products[0].dtype, self.products[0].is_int8
         base = self.flat.data_ptr()
         reply, self.io_map, nbytes = self._ask_region({
@@ -199,7 +198,7 @@ class Client(RegionClient):
             "products": [[p.cpu.data_ptr() - base, *p.shape, *([p.scale.data_ptr() - base] if is_int8 else [])]
                          for p in self.products]})
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
-        memops.register(raw.data_ptr(), nbytes)
+        self.page_lock(raw, nbytes)
         layout = IoLayout.for_shapes([p.shape for p in self.products], self.max_rows, dtype.itemsize)
         self.gpu = GpuSide(IoViews(raw, layout, dtype))
         self.measured = dict(reply.get("measured") or {})

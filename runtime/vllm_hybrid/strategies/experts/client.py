@@ -345,8 +345,7 @@ class Client(RegionClient):
         raw = torch.frombuffer(self.io_map, dtype=torch.uint8)
         io = IoViews(raw, IoLayout(self.max_rows, self.hidden, self.top_k, self.dtype.itemsize), self.dtype)
         if self.device == "cuda":
-            from ...cpupod import memops
-            memops.register(raw.data_ptr(), nbytes)
+            self.page_lock(raw, nbytes)
             self.side = GpuSide(io)
         else:
             self.side = CpuSide(io, alive=lambda: not closed(self.sock))
