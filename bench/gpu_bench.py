@@ -214,9 +214,14 @@ def coproc_by_rows(metrics_urls: list[str]) -> dict[int, tuple[float, float]]:
     return out
 
 
+# the running configuration's waves and TTFTs as they finish: main keeps them when a timeout stops the run midway
+SO_FAR: dict = {}
+
+
 def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: int = 0) -> dict:
     """Waves at each concurrency; split_products: a coprocessor's products per split step (its GPU stage's log)."""
-    waves = []
+    waves, ttft = [], {}
+    SO_FAR.update(waves=waves, ttft_s=ttft)
     for c in CONCURRENCY:
         wave(url, model, token_prompts(c, PROMPT_TOKENS, VOCAB, seed=1000 * c + 1), 4)  # warm-up: this batch's shapes
         before = forward_totals(metrics_urls)
@@ -256,7 +261,8 @@ def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: in
             w["coproc_split_steps"] = round(n / split_products, 1)
         waves.append(w)
         print(json.dumps(w), flush=True)
-    ttft = {n: wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"] for n in TTFT_TOKENS}
+    for n in TTFT_TOKENS:
+        ttft[n] = wave(url, model, token_prompts(1, n, VOCAB, seed=n + 7), 1)["ttft_p50_s"]
     return {"waves": waves, "ttft_s": ttft}
 
 
@@ -367,6 +373,7 @@ def run_pipeline(model, gpu_first: bool, strategy: str = "pipeline", name: str |
         if split:  # the server's compute per split step by step size before any wave: mostly the passes timed at start
             out["coproc_start_cpu_ms_per_step"] = {rows: round(1000 * busy / (n / int(split.group(1))), 2)
                                                    for rows, (busy, n) in sorted(coproc_by_rows(urls).items()) if n}
+        SO_FAR.update(out)  # what a stopped run keeps beside its waves (which strategy a live auto resolved)
         out.update(drive(pipe.url, "m", urls, int(split.group(1)) if split else 0))
         logs = [pipe.log(i) for i in range(len(stages))]
         # where the weights live (balanced) and each stage's KV cache, for the host memory figures
@@ -623,10 +630,15 @@ def main(names):
     for name in names:
         t0 = time.monotonic()
         peaks = Peaks()
+        SO_FAR.clear()
         try:
             results[name] = CONFIGS[name](model)
         except Exception as e:  # noqa: BLE001 - keep what the other configurations measured
-            results[name] = {"error": repr(e)}
+            results[name] = {**SO_FAR, "error": repr(e)}
+        except BaseException as e:  # a timeout's SIGTERM (SystemExit) or ^C: the waves that ran are kept, then it stops
+            results[name] = {**SO_FAR, "stopped": repr(e)} | peaks.result() | {"wall_s": round(time.monotonic() - t0, 1)}
+            results_path.write_text(json.dumps(results, indent=1))
+            raise
         results[name].update(peaks.result(), wall_s=round(time.monotonic() - t0, 1))
         results_path.write_text(json.dumps(results, indent=1))
         print(name, json.dumps(results[name])[:2000], flush=True)

@@ -16,6 +16,8 @@
 #   with these shares instead of the launcher's (with HYBRID_BENCH_NODE_FIGURES=<the first run's gpu_bench.json> for an
 #   A/B on the same figures; bench/results/README.md).
 # Results: $HYBRID_BENCH_OUT (default bench/results): cpu_kernels.json, gpu_bench.json, .md, .png.
+#   bash bench/run.sh cpu-kernels: only bench/cpu_kernels.py (minutes on a 16-core box), in a call of its own where a
+#   configuration needs most of a call (the 235B's p-auto); later calls on the same machine find it measured.
 set -uo pipefail
 [ -d /tmp/vb/site-gpu ] || bash /tmp/pack/c3/vllm_bundle_install.sh /tmp/pack /tmp/vb || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/hyb ./runtime || exit 1  # this checkout's runtime, every call
@@ -34,6 +36,7 @@ if [ "$measure" = 1 ]; then
   PYTHONPATH=/tmp/hyb:/tmp/vb/site-cpu:/tmp/vb/deps CUDA_VISIBLE_DEVICES= \
     VLLM_TARGET_DEVICE=cpu python3 bench/cpu_kernels.py "$HYBRID_BENCH_OUT/cpu_kernels.json" || exit 1
 fi
+[ "$*" = cpu-kernels ] && exit 0
 PYTHONPATH=/tmp/hyb:/tmp/vb/deps:/tmp/vb/site-gpu python3 bench/gpu_bench.py "$@" & bench=$!
 # a timeout's SIGTERM (or ^C) reaches the bench, which stops its vLLM stages (they hold the GPU otherwise)
 trap 'kill -TERM $bench 2>/dev/null; wait $bench; exit 143' TERM INT

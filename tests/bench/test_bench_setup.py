@@ -2,6 +2,7 @@
 (a cpu_kernels.json measured on another machine is measured again by bench/run.sh and refused by bench/gpu_bench.py),
 and within the GPU budget a run asks for (HYBRID_BENCH_GPU_GIB)."""
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -160,3 +161,32 @@ def test_the_reports_auto_column_counts_every_run_of_the_picked_strategy():
     assert report.ran({"strategy": "auto", "resolved": [{"strategy": "experts"}]}) == "experts"
     assert "| decode tok/s, concurrency 1 | 33.64 | 34.51 | 34.7 | pipeline | 0.97x |" in md
     assert "| decode tok/s, concurrency 16 | 100.57 | 167.07 | 190.36 | experts | 1.00x |" in md
+
+
+def test_a_run_stopped_by_the_calls_timeout_keeps_the_waves_it_measured(tmp_path, monkeypatch):
+    """A device call's limit stops run.sh with SIGTERM, which the bench turns into SystemExit: gpu_bench.json keeps the
+    stopped configuration's waves, TTFTs and resolved strategy so far, and the earlier configurations (the 235B's
+    p-auto, cut during its TTFT runs on 2026-12-07e, wrote nothing)."""
+    monkeypatch.setattr(gpu_bench, "OUT", tmp_path)
+    monkeypatch.setattr(gpu_bench, "make_shaped_model", lambda *a: "m")
+    monkeypatch.setattr(gpu_bench, "read_dram", lambda results: None)
+
+    def done(model):
+        return {"waves": [{"concurrency": 1, "decode_tok_per_s": 9.0}], "ttft_s": {}}
+
+    def cut(model):
+        gpu_bench.SO_FAR.update(strategy="auto", resolved=[{"strategy": "experts"}])
+        gpu_bench.SO_FAR.update(waves=[{"concurrency": 1, "decode_tok_per_s": 17.29}], ttft_s={})
+        gpu_bench.stop_on_sigterm()  # what the SIGTERM handler does
+    monkeypatch.setattr(gpu_bench, "CONFIGS", {"a-done": done, "b-cut": cut, "c-never": done})
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            gpu_bench.main(["a-done", "b-cut", "c-never"])
+    finally:  # main's handler and the handler's SIG_IGN: not this pytest's
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 143
+    got = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert got["a-done"]["waves"][0]["decode_tok_per_s"] == 9.0 and "c-never" not in got
+    assert got["b-cut"]["waves"][0]["decode_tok_per_s"] == 17.29 and "SystemExit(143)" in got["b-cut"]["stopped"]
+    assert report.ran(got["b-cut"]) == "experts" and "wall_s" in got["b-cut"]
