@@ -136,8 +136,8 @@ def measure_cpu(nbytes: int = 1 << 30, experts: str | None = None, products: str
 
 def measure_gpu(nbytes: int = 1 << 30, experts: str | None = None) -> dict[str, float]:
     """Host-to-GPU copy GB/s from page-locked memory, as the coprocessor times its region's; for `experts`
-    (rates.SPEC_ENV) in W4A16, Marlin's call on them read in place (the share strategy experts' GPU computes at the
-    pod's steps: experts.in_place); nothing without CUDA."""
+    (rates.SPEC_ENV) in W4A16, Marlin's call on them read in place or gathered into GPU memory first, the faster
+    (the share strategy experts' GPU computes at the pod's steps: experts.in_place); nothing without CUDA."""
     import torch
     if not torch.cuda.is_available():
         return {}
@@ -168,7 +168,8 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
     if figures.get("moe_unserved"):  # no kernel there for the model's experts (rates.measure)
         measured["moe_unserved"] = 1.0
     if figures.get("in_place_gbs"):  # Marlin's call on kept experts read over PCIe (strategies.experts.in_place)
-        measured |= {"in_place_call_s": figures.get("in_place_call_s", 0.0), "in_place_gbs": figures["in_place_gbs"]}
+        measured |= {"in_place_call_s": figures.get("in_place_call_s", 0.0), "in_place_gbs": figures["in_place_gbs"],
+                     "in_place_read": figures.get("in_place_read", 0.0)}  # the faster read's call (in_place.measure)
     if copy := figures.get("copy_gbs"):
         measured["prefetch_pcie_gbs"] = copy
         # the coprocessor reads the CPU rows and streams the GPU's at once, both from the one DRAM
@@ -180,7 +181,7 @@ def hardware(plan: Plan, figures: dict[str, float]) -> Hardware:
 def used(hw: Hardware) -> str:
     """The figures the measurements set, as the log shows them."""
     keys = ("dram_gbs", "prefetch_pcie_gbs", "coproc_gbs", "cpu_token_speed", "moe_call_s", "moe_expert_gbs", "moe_pair_s",
-            "in_place_call_s", "in_place_gbs", "cpu_layer_1_s", "cpu_layer_64_s")
+            "in_place_call_s", "in_place_gbs", "in_place_read", "cpu_layer_1_s", "cpu_layer_64_s")
     return ", ".join(f"{k} {getattr(hw, k):.3g}" for k in keys)
 
 

@@ -135,7 +135,7 @@ print(json.dumps(out))
 
 def test_the_node_gpu_part_measures_marlins_call_on_experts_read_in_place():
     """node.measure_gpu with the model's W4A16 experts (experts.in_place.measure): Marlin's call fitted over 1-8
-    tokens on experts read in place over PCIe, as the cost model weighs the GPU's share of the pod's steps. A read
+    tokens on experts read in place over PCIe, or gathered into GPU memory first (the faster read is the share's), as the cost model weighs the GPU's share of the pod's steps. A read
     over PCIe: above nothing and below what the copy engine moves (it reads whole stacks at full width), the fit
     close to the calls, in seconds of the stage's start."""
     figures = run_child(NODE_CHILD, (), VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -144,4 +144,8 @@ def test_the_node_gpu_part_measures_marlins_call_on_experts_read_in_place():
         assert "in_place_gbs" in f, (name, figures)
         assert 0 < f["in_place_gbs"] < 1.2 * f["copy_gbs"], (name, figures)
         assert f["in_place_fit_error"] < 0.3 and f["in_place_call_s"] < 1e-3 and f["seconds"] < 60, (name, figures)
+        # both reads timed (in place, gathered first); the share's figures are the faster one's
+        reads = {"in_place": f["in_place_in_place_one_token_ms"], "gather": f["in_place_gather_one_token_ms"]}
+        assert f["in_place_read"] in (0.0, 1.0) and 0 < f["in_place_gather_gbs"] < 1.2 * f["copy_gbs"], (name, figures)
+        assert f["in_place_one_token_ms"] == reads[("in_place", "gather")[int(f["in_place_read"])]], (name, figures)
     assert figures["mixtral"]["in_place_experts_held"] == 8 and figures["qwen3_235b"]["in_place_experts_held"] >= 100

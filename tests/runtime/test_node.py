@@ -227,6 +227,9 @@ def test_measured_figures_set_the_cost_model_and_the_plan_overrides_them():
     hw = node.hardware(plan, {**figures, **in_place})
     assert (hw.in_place_call_s, hw.in_place_gbs, hw.pcie_gbs) == (6e-5, 42.2, d.pcie_gbs)
     assert "in_place_gbs 42.2" in node.used(hw) and node.hardware(plan, figures).in_place_gbs == 0.0
+    # and how the share reads (experts.in_place.measure timed both: its faster one's call is the share's)
+    assert hw.in_place_read == 0.0 and "in_place_read 0" in node.used(hw)
+    assert node.hardware(plan, {**figures, **in_place, "in_place_read": 1.0}).in_place_read == 1.0
 
 
 def test_auto_follows_the_measured_node():

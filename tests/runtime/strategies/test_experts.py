@@ -3,6 +3,7 @@
 remote experts live in a separate server process giving single-process vLLM's greedy tokens. The CUDA end
 (memops in CUDA graphs) runs in tests/gpu."""
 import ast
+import dataclasses
 import itertools
 import json
 import math
@@ -842,6 +843,14 @@ def test_the_gpu_takes_the_share_of_a_pod_step_that_ends_both_at_once():
     assert vllm_env(plan, rec, ident, None, base)[experts_io.UVA_SHARE_ENV] == ",".join(f"{t}:{s:g}" for t, s in shares)
     rec = resolve_stage(plan, split, ident, {**base, experts_io.UVA_SHARE_ENV: "0"}, lay, measured)
     assert vllm_env(plan, rec, ident, None, {**base, experts_io.UVA_SHARE_ENV: "0"})[experts_io.UVA_SHARE_ENV] == "0"
+    # the share reads the way the node measured faster (in_place.measure: in_place_read), unless the user says
+    read = experts_io.SHARE_READ_ENV
+    gathered = dataclasses.replace(measured, in_place_read=1.0)
+    assert vllm_env(plan, resolve_stage(plan, split, ident, base, lay, measured), ident, None, base)[read] == "in_place"
+    rec = resolve_stage(plan, split, ident, base, lay, gathered)
+    assert vllm_env(plan, rec, ident, None, base)[read] == "gather" and ("share_read", "gather") in rec.extras.summary
+    mine = {**base, read: "in_place"}
+    assert vllm_env(plan, resolve_stage(plan, split, ident, mine, lay, gathered), ident, None, mine)[read] == "in_place"
     # a step of 4 tokens, one expert of each 2-expert layer the GPU's (a layer of one keeps it in the pod): the later of
     # the two as expected over the routings; both read DRAM, so no shorter than its routed bytes at the node's read,
     # however the two share them (here 3.4 GB at 83.9 GB/s, 40.7 ms, against 48.0 expected; at 40 GB/s the read)

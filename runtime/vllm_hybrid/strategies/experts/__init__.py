@@ -23,6 +23,8 @@ from .io import (
     MAX_ROWS_ENV,
     REMOTE_ENV,
     SERVED_FORMATS,
+    SHARE_READ_ENV,
+    SHARE_READS,
     SOCKET_ENV,
     UVA_SHARE_ENV,
     format_placement,
@@ -450,6 +452,7 @@ class Experts(Strategy):
         keep = not plan.stages[ident.stage].is_cpu and pod_keeps_stacks(plan, lay, shape)
         shares = ",".join(f"{t}:{share:g}" for t, share in
                           (in_place_shares(plan, split, lay, hw, rows) if keep else ()))
+        read = SHARE_READS[int(hw.in_place_read)]  # the read whose call the shares were sized on (in_place.measure)
         return StageExtras(
             # steps above max_rows compute the cpu experts on the gpu with data-dependent shapes: not captured
             flags=("--max-cudagraph-capture-size", str(rows),
@@ -458,10 +461,10 @@ class Experts(Strategy):
                  (REMOTE_ENV, format_placement(dict(enumerate(remote)))),
                  (MAX_ROWS_ENV, str(rows)), *(((KEEP_ENV, "1"),) if keep else ())),
             env_defaults=((COUNTS_ENV, counts_file),
-                          *(((UVA_SHARE_ENV, shares),) if shares else ())),
+                          *(((UVA_SHARE_ENV, shares), (SHARE_READ_ENV, read)) if shares else ())),
             summary=(("experts", sock), ("cpu_experts", sum(map(len, remote))), ("placement", placed), ("pod_rows", rows),
                      ("large_steps", large_steps(plan, lay, shape)),
-                     *((("in_place_shares", shares),) if shares else ())))
+                     *((("in_place_shares", shares), ("share_read", read)) if shares else ())))
 
     def server(self, plan, lay, ident, env) -> Server | None:
         return cpu_pod_server(plan, lay, ident, env, "experts", "strategies.experts.server", "experts")

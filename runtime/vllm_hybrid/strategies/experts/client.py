@@ -411,33 +411,12 @@ class Client(RegionClient):
         return InPlace(ids, skips, compute_here, absent)
 
     def gathered_share(self, held: Held, ids: list[int], views: dict[str, torch.Tensor]) -> Callable:
-        """InPlace's compute with SHARE_READ_ENV=gather: a step's routed experts of `ids` gathered from the mapped
-        region (views) into one slot each of a GPU buffer, then Marlin reads them there. Fixed shapes: captured."""
-        dev, n = torch.device(self.device), len(ids)
-        shapes = {role: (n, *shape[1:]) for role, shape in held.large.laid_out.items()}
-        sizes = {role: views[role][:n].nbytes for role in shapes}
-        if self.gathered is None or self.gathered.numel() < sum(sizes.values()):  # share_in_place sized it, else
-            self.gathered = torch.empty(sum(sizes.values()), dtype=torch.uint8, device=dev)
-        buf, at, slots = self.gathered, 0, {}
-        for role, shape in shapes.items():  # views of the shared buffer, the region's dtypes in Marlin's shapes
-            slots[role] = buf[at:at + sizes[role]].view(views[role].dtype).view(shape)
-            at += sizes[role]
-        gids = torch.tensor(ids, device=dev)
-        rows = torch.tensor([held.ids.index(e) for e in ids], dtype=torch.int32, device=dev)  # in the region's stacks
-        emap = torch.full((held.num_experts,), -1, dtype=torch.int32)
-        emap[ids] = torch.arange(n, dtype=torch.int32)
-        emap, large = emap.to(dev), held.large
-
-        def compute(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-            routed = torch.zeros(held.num_experts, dtype=torch.bool, device=dev)
-            # index_fill_/masked_fill take the value as a scalar: `routed[ids] = True` copies a CPU tensor, which a
-            # CUDA graph's capture refuses
-            routed.index_fill_(0, topk_ids.flatten().long(), True)
-            pick = rows.masked_fill(~routed[gids], -1)  # a slot per shared expert; the unrouted ones stay empty
-            for role, slot in slots.items():
-                gather.rows(views[role], slot, pick)
-            return large(x, topk_ids, topk_weights, slots, expert_map=emap)
-        return compute
+        """InPlace's compute with SHARE_READ_ENV=gather (gather.share): a step's routed experts of `ids` gathered
+        from the mapped region (views) into one slot each of the GPU buffer, then Marlin reads them there."""
+        need = gather.slot_bytes(views, len(ids))
+        if self.gathered is None or self.gathered.numel() < need:  # share_in_place sized it, else
+            self.gathered = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return gather.share(held.large, views, [held.ids.index(e) for e in ids], ids, held.num_experts, self.gathered)
 
     def nearby(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A large step's remote experts, computed by the main stage from the region. On CUDA they are copied in for

@@ -7,6 +7,7 @@ rows() on CUDA is a Triton kernel; elsewhere (tests on CPU) torch's indexing, th
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -51,3 +52,44 @@ def rows(src: torch.Tensor, dst: torch.Tensor, pick: torch.Tensor) -> None:
         return
     gather, cdiv = kernel
     gather[(pick.numel(), cdiv(s.shape[1], BLOCK))](s, d, pick, s.shape[1], BLOCK=BLOCK)
+
+
+def slots_in(buf: torch.Tensor, views: dict[str, torch.Tensor], laid_out: dict[str, torch.Size], n: int) -> dict:
+    """n slots a role in `buf` (uint8, at least that large: slot_bytes), the region's dtypes in Marlin's shapes."""
+    at, slots = 0, {}
+    for role, shape in laid_out.items():
+        size = views[role][:n].nbytes
+        slots[role] = buf[at:at + size].view(views[role].dtype).view(n, *shape[1:])
+        at += size
+    return slots
+
+
+def slot_bytes(views: dict[str, torch.Tensor], n: int) -> int:
+    return sum(v[:n].nbytes for v in views.values())
+
+
+def share(large, views: dict[str, torch.Tensor], stack_rows: list[int], ids: list[int], num_experts: int,
+          buf: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """f(x, topk_ids, topk_weights): Marlin (`large`, laid out) over the shared experts `ids` a step routes to, each
+    gathered first from the mapped region (views: the region's stacks on the device, expert `ids[j]` at row `stack_rows[j]`)
+    into slot j of `buf` (a GPU buffer of slot_bytes(views, len(ids)) or more). Fixed shapes: a CUDA graph captures
+    it."""
+    dev, n = buf.device, len(ids)
+    slots = slots_in(buf, views, large.laid_out, n)
+    gids = torch.tensor(ids, device=dev)
+    picks = torch.tensor(stack_rows, dtype=torch.int32, device=dev)
+    emap = torch.full((num_experts,), -1, dtype=torch.int32)
+    emap[ids] = torch.arange(n, dtype=torch.int32)
+    emap = emap.to(dev)
+
+    def compute(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        routed = torch.zeros(num_experts, dtype=torch.bool, device=dev)
+        # index_fill_/masked_fill take the value as a scalar: `routed[ids] = True` copies a CPU tensor, which a
+        # CUDA graph's capture refuses
+        routed.index_fill_(0, topk_ids.flatten().long(), True)
+        pick = picks.masked_fill(~routed[gids], -1)  # a slot per shared expert; the unrouted ones stay empty
+        for role, slot in slots.items():
+            rows(views[role], slot, pick)
+        return large(x, topk_ids, topk_weights, slots, expert_map=emap)
+    return compute
+

@@ -6,11 +6,16 @@ The model read the share at pcie_gbs (48.5, a streamed step's fitted rate) befor
 of a 235B layer's experts on an H200 (tests/gpu/results/h200-2026-12-02-experts-in-place.json) against the copy
 engine's 55.3; on one H100 box `auto` sized a 4-token share at the faster rate, and an A/B there cost it 15% of the
 step (bench/results, 2026-12-07c). A call is fitted as rates.CallCost: a fixed cost (the launches, the routing's
-sort) plus each distinct routed expert's bytes at in_place_gbs. Pure but for `measure` and the calls it times."""
+sort) plus each distinct routed expert's bytes at in_place_gbs. Both reads of the share (io.SHARE_READS) are timed:
+Marlin in place, and the routed experts gathered into GPU memory first (gather.share: 1.08-1.11x in place on 12-07e's
+H100 box, where Marlin in place read 43 GB/s; another box's read 18.2); the faster one's call is the share's
+(in_place_read: its index), and the launcher has the main stage read that way. Pure but for `measure` and the calls
+it times."""
 from __future__ import annotations
 
 import math
 
+from .io import SHARE_READS
 from .rates import fit
 
 TOKENS = (1, 2, 4, 8)  # the pod's small steps, where the cost model weighs a share against the pod's call
@@ -72,25 +77,32 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     memops.register(flat.data_ptr(), flat.numel(), mapped=True)  # as open_weights registers the region for a share
     try:
-        points = _timed_calls(flat, rooms, layout, shape, n)
+        by_read = _timed_calls(flat, rooms, layout, shape, n)
     finally:  # the mapping goes with this call: a pinned range left behind fails the next one's register
         torch.cuda.synchronize()
         memops.unregister(flat.data_ptr())
-    if not points:
+    if not by_read:
         return {}
+    # the share reads the way its calls took least time in all (the small steps alike: a step's later part waits)
+    read = min(by_read, key=lambda r: sum(s for _, _, s in by_read[r]))
+    points = by_read[read]
     cost = fit(points, one)
     error = max(abs(cost.seconds(e, p, one) / s - 1) for e, p, s in points)
     return {"in_place_call_s": cost.call_s, "in_place_gbs": cost.expert_gbs, "in_place_pair_s": cost.pair_s,
             "in_place_experts_held": float(n), "in_place_fit_error": round(error, 3),
-            "in_place_one_token_ms": round(points[0][2] * 1e3, 4)}
+            "in_place_one_token_ms": round(points[0][2] * 1e3, 4), "in_place_read": float(SHARE_READS.index(read)),
+            **{f"in_place_{r}_gbs": fit(p, one).expert_gbs for r, p in by_read.items()},
+            **{f"in_place_{r}_one_token_ms": round(p[0][2] * 1e3, 4) for r, p in by_read.items()}}
 
 
-def _timed_calls(flat, rooms: dict, layout: dict, shape: tuple[int, int, int, int], n: int) -> list[tuple]:
-    """(distinct experts, routed pairs, seconds) of Marlin's call at each of TOKENS on n experts laid out in `flat`
-    (registered and mapped); [] where Marlin cannot lay them out in place."""
+def _timed_calls(flat, rooms: dict, layout: dict, shape: tuple[int, int, int, int], n: int) -> dict[str, list]:
+    """By the share's read (SHARE_READS), (distinct experts, routed pairs, seconds) of its call at each of TOKENS on n
+    experts laid out in `flat` (registered and mapped), all n shared: Marlin reading them in place, or gathering the
+    routed ones into GPU memory first (gather.share); {} where Marlin cannot lay them out in place."""
     import torch
 
     from ...cpupod import memops
+    from . import gather
     hidden, inter, experts, top_k = shape
     g, region, at = torch.Generator().manual_seed(0), {}, 0
     for role, (dims, dt) in layout.items():
@@ -103,22 +115,28 @@ def _timed_calls(flat, rooms: dict, layout: dict, shape: tuple[int, int, int, in
     dev = torch.device("cuda")
     marlin = kept_marlin(inter, list(range(n)), experts)
     if not marlin.lay_out(region, dev):
-        return []
+        return {}
     views = {role: memops.as_device(t) for role, t in region.items()}  # what InPlace reads: the region over PCIe
-    start, end, points = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    everyone = list(range(n))
+    buf = torch.empty(gather.slot_bytes(views, n), dtype=torch.uint8, device=dev)
+    calls = {"in_place": lambda x, i, w: marlin(x, i, w, views),
+             "gather": gather.share(marlin, views, everyone, everyone, experts, buf)}
+    assert set(calls) == set(SHARE_READS)
+    start, end, out = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), {}
     for tokens in TOKENS:
         routes = [torch.stack([torch.randperm(n, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
                   for _ in range(CALLS)]
         x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
         weights = torch.rand(tokens, top_k, generator=g).softmax(-1).to(dev)
         ids = [r.to(dev) for r in routes]
-        marlin(x, ids[-1], weights, views)  # warms up: Marlin's workspace, the map on the GPU
-        torch.cuda.synchronize()
-        start.record()
-        for i in ids:
-            marlin(x, i, weights, views)
-        end.record()
-        end.synchronize()
         distinct = sum(len(set(r.flatten().tolist())) for r in routes) / CALLS
-        points.append((distinct, tokens * top_k, start.elapsed_time(end) / 1e3 / CALLS))
-    return points
+        for read, call in calls.items():
+            call(x, ids[-1], weights)  # warms up: Marlin's workspace, the map on the GPU, Triton's compile
+            torch.cuda.synchronize()
+            start.record()
+            for i in ids:
+                call(x, i, weights)
+            end.record()
+            end.synchronize()
+            out.setdefault(read, []).append((distinct, tokens * top_k, start.elapsed_time(end) / 1e3 / CALLS))
+    return out
