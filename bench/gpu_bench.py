@@ -270,6 +270,11 @@ def drive(url: str, model: str, metrics_urls: list[str] = (), split_products: in
 KERNEL_ENV = {"onednn": {"VLLM_CPU_SGL_KERNEL": "0"}, "sgl": {"VLLM_CPU_SGL_KERNEL": "1"}}
 
 
+# the decode batches cpu_tuning scores a kernel on, and their weights: 1-16 count fully (where a CPU stage can beat
+# streaming), 64 a quarter (bench/run.sh has cpu_kernels.py time these alone)
+TUNING_MS = {1: 1.0, 4: 1.0, 16: 1.0, 64: 0.25}
+
+
 def cpu_tuning() -> dict:
     """CPU-stage env from bench/cpu_kernels.py's results: the fastest kernel and placement over
     decode batches (default: vLLM's oneDNN on CPUs 1-15)."""
@@ -281,8 +286,7 @@ def cpu_tuning() -> dict:
             raise SystemExit(f"{path} was measured on another machine: run bench/cpu_kernels.py here first "
                              "(bench/run.sh does)")
         runs = json.loads(path.read_text())["placements"]
-        # decode batches 1-16 count fully (where a CPU stage can beat streaming), 64 a quarter
-        scored = [(k["1"]["ms"] + k["4"]["ms"] + k["16"]["ms"] + k["64"]["ms"] / 4, name, place, r["cpu_list"])
+        scored = [(sum(k[str(m)]["ms"] * w for m, w in TUNING_MS.items()), name, place, r["cpu_list"])
                   for place, r in runs.items() for name, k in r.get("kernels", {}).items() if name in KERNEL_ENV]
         if scored:
             _, *best = min(scored)

@@ -2,6 +2,7 @@
 (a cpu_kernels.json measured on another machine is measured again by bench/run.sh and refused by bench/gpu_bench.py),
 and within the GPU budget a run asks for (HYBRID_BENCH_GPU_GIB)."""
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ def test_run_sh_measures_every_lease_and_the_file_says_which_machine(tmp_path, c
     run_sh = (Path(__file__).resolve().parents[2] / "bench" / "run.sh").read_text()
     line = next(ln for ln in run_sh.splitlines() if "bench/cpu_kernels.py" in ln and "python3" in ln)
     assert not line.lstrip().startswith("[") and "|| exit 1" in line  # no "[ -f ... ] ||" short-cut
+    # it times the decode batches the pick scores, no others (all 13 took 4 minutes of a device call)
+    ms = re.search(r"HYBRID_BENCH_MS=\$\{HYBRID_BENCH_MS:-([\d,]+)\}", run_sh)
+    assert ms and [int(m) for m in ms[1].split(",")] == list(gpu_bench.TUNING_MS)
     kernels_file(tmp_path / "k.json", cpu_kernels.machine())
     cpu_kernels.main(str(tmp_path / "k.json"), None)
     assert "measured on this machine already" in capsys.readouterr().out

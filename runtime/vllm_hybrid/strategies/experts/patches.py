@@ -287,9 +287,9 @@ def patch_experts(routed_experts, unquantized, base_loader, gpu_worker) -> str |
             if shared := client.share_in_place():
                 here = {rows: sum(len(ip.ids) for h in client.layers.values() for most, ip in h.in_place if most == rows and ip)
                         for rows, _ in client.uva_shares}
-                logger.info("experts: %d layers' remote experts shared at the pod's steps (%s=%s): of %d, computed here "
-                            "in place at steps of up to %s", shared, UVA_SHARE_ENV, os.environ.get(UVA_SHARE_ENV),
-                            sum(len(h.ids) for h in client.layers.values()),
+                logger.info("experts: %d layers' remote experts shared at the pod's steps (%s=%s, read %s): of %d, "
+                            "computed here in place at steps of up to %s", shared, UVA_SHARE_ENV,
+                            os.environ.get(UVA_SHARE_ENV), client.share_read, sum(len(h.ids) for h in client.layers.values()),
                             ", ".join(f"{rows} tokens: {n}" for rows, n in here.items()))
             layers = client.layers.values()
             larger = collections.Counter("here from the stacks the pod keeps" if h.nearby else
