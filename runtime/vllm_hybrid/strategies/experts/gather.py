@@ -65,15 +65,16 @@ def slots_in(buf: torch.Tensor, views: dict[str, torch.Tensor], laid_out: dict[s
 
 
 def slot_bytes(views: dict[str, torch.Tensor], n: int) -> int:
+    """The GPU buffer n slots take (slots_in)."""
     return sum(v[:n].nbytes for v in views.values())
 
 
 def share(large, views: dict[str, torch.Tensor], stack_rows: list[int], ids: list[int], num_experts: int,
           buf: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """f(x, topk_ids, topk_weights): Marlin (`large`, laid out) over the shared experts `ids` a step routes to, each
-    gathered first from the mapped region (views: the region's stacks on the device, expert `ids[j]` at row `stack_rows[j]`)
-    into slot j of `buf` (a GPU buffer of slot_bytes(views, len(ids)) or more). Fixed shapes: a CUDA graph captures
-    it."""
+    gathered first from the mapped region (views: the region's stacks on the device, expert `ids[j]` at row
+    `stack_rows[j]`) into slot j of `buf` (a GPU buffer of slot_bytes(views, len(ids)) or more). Fixed shapes: a CUDA
+    graph captures it."""
     dev, n = buf.device, len(ids)
     slots = slots_in(buf, views, large.laid_out, n)
     gids = torch.tensor(ids, device=dev)
@@ -92,4 +93,3 @@ def share(large, views: dict[str, torch.Tensor], stack_rows: list[int], ids: lis
             rows(views[role], slot, pick)
         return large(x, topk_ids, topk_weights, slots, expert_map=emap)
     return compute
-
