@@ -41,7 +41,8 @@ KEEP_ENV = "HYBRID_EXPERTS_KEEP"
 # in place over PCIe (Marlin on a mapped view of the region) while the pod computes the rest: the two read DRAM at once
 UVA_SHARE_ENV = "HYBRID_EXPERTS_UVA_SHARE"
 # how the GPU reads its share on CUDA: in_place (Marlin over the mapped region) or gather (the routed ones brought into
-# GPU memory first by one wide read each: gather.rows); an A/B for now, the cost model prices in_place
+# GPU memory first by one wide read each: gather.share); the launcher sets the one the node's gpu part timed faster
+# (in_place.measure: in_place_read), unset: in_place
 SHARE_READ_ENV = "HYBRID_EXPERTS_SHARE_READ"
 SHARE_READS = ("in_place", "gather")
 # the quantized experts the CPU pod computes, as the plan's refusal and the main stage's both say it
