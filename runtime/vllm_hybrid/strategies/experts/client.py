@@ -371,7 +371,7 @@ class Client(RegionClient):
         shares = [(self.max_rows, shares)] if isinstance(shares, float | int) else shares
         if self.device == "cuda" and self.share_read == "gather":  # one buffer, as large as the largest share's
             # (grown layer by layer instead, the earlier layers' slots would hold each smaller buffer alive)
-            need = max((len(spread(h.ids, share)) * sum(t[0].nbytes for t in h.tensors.values())
+            need = max((gather.slot_bytes(h.tensors, len(spread(h.ids, share)))
                         for h in self.layers.values() if h.large is not None and h.large.laid_out is not None
                         for _, share in shares), default=0)
             self.gathered = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None

@@ -85,13 +85,13 @@ def measure(spec: str | None, nbytes: int) -> dict[str, float]:
         return {}
     # the share reads the way its calls took least time in all (the small steps alike: a step's later part waits)
     read = min(by_read, key=lambda r: sum(s for _, _, s in by_read[r]))
-    points = by_read[read]
-    cost = fit(points, one)
+    fits = {r: fit(p, one) for r, p in by_read.items()}
+    points, cost = by_read[read], fits[read]
     error = max(abs(cost.seconds(e, p, one) / s - 1) for e, p, s in points)
     return {"in_place_call_s": cost.call_s, "in_place_gbs": cost.expert_gbs, "in_place_pair_s": cost.pair_s,
             "in_place_experts_held": float(n), "in_place_fit_error": round(error, 3),
             "in_place_one_token_ms": round(points[0][2] * 1e3, 4), "in_place_read": float(SHARE_READS.index(read)),
-            **{f"in_place_{r}_gbs": fit(p, one).expert_gbs for r, p in by_read.items()},
+            **{f"in_place_{r}_gbs": f.expert_gbs for r, f in fits.items()},
             **{f"in_place_{r}_one_token_ms": round(p[0][2] * 1e3, 4) for r, p in by_read.items()}}
 
 
